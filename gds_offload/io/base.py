@@ -1,0 +1,201 @@
+"""The storage-engine interface: asynchronous writes and reads of byte tensors to spill slots.
+
+Every engine takes a *contiguous ``torch.uint8`` tensor* (the bytes of one storage)
+and a :class:`~gds_offload.store.Slot`, and returns an :class:`IOFuture`.
+
+.. note:: Buffer ownership (applies to every engine)
+   The caller keeps ``src`` (for writes) and ``dst`` (for reads) alive and unmodified
+   until the returned future is done. For CUDA sources, ``ready`` is an event recorded
+   on the producing stream; the engine waits on it (on its own thread) before reading
+   the bytes, so the pack hook never blocks. A read future being done means the bytes
+   are in ``dst`` and visible to every stream.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+from gds_offload.errors import OffloadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from gds_offload.io.limits import TokenBucket
+    from gds_offload.store import Slot
+
+__all__ = ["Engine", "EngineStats", "IOFuture", "Direction"]
+
+Direction = Literal["write", "read"]
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine. ``*_busy_seconds`` is wall time with at least one transfer in flight,
+    so ``bytes / busy_seconds`` is the bandwidth the engine sustained while working."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    reads: int = 0
+    write_busy_seconds: float = 0.0
+    read_busy_seconds: float = 0.0
+    retries: int = 0
+
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_busy_seconds / 1e9 if self.write_busy_seconds else 0.0
+
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_busy_seconds / 1e9 if self.read_busy_seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"write_gbps": self.write_gbps(), "read_gbps": self.read_gbps()}
+
+
+class IOFuture:
+    """Handle of one asynchronous transfer. Thread-safe.
+
+    ``wait()`` returns the number of bytes moved, or raises :class:`OffloadError`
+    (with the OS error as ``__cause__``) if the transfer failed.
+    """
+
+    __slots__ = ("_future", "nbytes")
+
+    def __init__(self, future: Future[int], nbytes: int) -> None:
+        self._future = future
+        self.nbytes = nbytes
+
+    @classmethod
+    def completed(cls, nbytes: int) -> IOFuture:
+        f: Future[int] = Future()
+        f.set_result(nbytes)
+        return cls(f, nbytes)
+
+    def done(self) -> bool:
+        """True once the transfer finished, successfully or not. Never blocks."""
+        return self._future.done()
+
+    def failed(self) -> bool:
+        return self._future.done() and self._future.exception() is not None
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until done; return the bytes moved. Raises :class:`OffloadError` on failure,
+        ``TimeoutError`` if ``timeout_s`` passes first."""
+        return self._future.result(timeout_s)
+
+    def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
+        """Call ``fn(self)`` when done, on the engine thread that finished it (or now, if done)."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+
+class Engine(ABC):
+    """A storage engine. Subclasses implement :meth:`_submit_write` and :meth:`_submit_read`."""
+
+    #: Name used in ``mode=`` and in stats.
+    name: ClassVar[str]
+    #: False for engines that keep bytes in memory (``host``): the store then has no files.
+    needs_files: ClassVar[bool] = True
+
+    def __init__(self, *, limiter: TokenBucket | None = None) -> None:
+        self._limiter = limiter
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+        self._active = {"write": 0, "read": 0}
+        self._busy_since = {"write": 0.0, "read": 0.0}
+        self._closed = False
+        #: Whether bytes really move GPU memory -> storage without a host bounce buffer.
+        self.uses_gds = False
+        #: One line saying how this engine moves bytes (shown in stats and ``gds-offload info``).
+        self.description = self.name
+
+    # -- public API ---------------------------------------------------------------------
+    def write(self, src: torch.Tensor, slot: Slot, *, ready: Any = None) -> IOFuture:
+        """Start writing ``src`` (contiguous uint8, ``src.numel() <= slot.nbytes``) to ``slot``.
+
+        Returns at once. ``ready``: a CUDA event the engine waits on before touching ``src``.
+        """
+        self._check_args(src, slot)
+        return self._track("write", src.numel(), lambda: self._submit_write(src, slot, ready))
+
+    def read(self, dst: torch.Tensor, slot: Slot, *, ready: Any = None) -> IOFuture:
+        """Start reading ``dst.numel()`` bytes of ``slot`` into ``dst`` (contiguous uint8). Returns at once.
+
+        ``ready``: a CUDA event the engine waits on before writing into ``dst`` (the caching
+        allocator may hand out memory that a queued kernel still reads).
+        """
+        self._check_args(dst, slot)
+        return self._track("read", dst.numel(), lambda: self._submit_read(dst, slot, ready))
+
+    def release(self, slot: Slot) -> None:
+        """The slot's bytes are no longer needed (engines that hold memory per slot free it)."""
+
+    def close(self) -> None:
+        """Wait for in-flight transfers and stop the engine's threads. Idempotent."""
+        self._closed = True
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(**asdict(self._stats))
+
+    # -- for subclasses -----------------------------------------------------------------
+    @abstractmethod
+    def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]: ...
+
+    @abstractmethod
+    def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]: ...
+
+    def _throttle(self, nbytes: int) -> None:
+        if self._limiter is not None:
+            self._limiter.acquire(nbytes)
+
+    def _count_retry(self) -> None:
+        with self._lock:
+            self._stats.retries += 1
+
+    # -- internals ----------------------------------------------------------------------
+    def _check_args(self, buf: torch.Tensor, slot: Slot) -> None:
+        if self._closed:
+            raise OffloadError(f"{self.name} engine is closed; attach the offloader again")
+        assert buf.dtype.itemsize == 1 and buf.is_contiguous(), "engines move contiguous byte tensors"
+        assert buf.numel() <= slot.nbytes, f"{buf.numel()} bytes do not fit slot of {slot.nbytes}"
+
+    def _track(self, kind: Direction, nbytes: int, submit: Callable[[], Future[int]]) -> IOFuture:
+        with self._lock:
+            if self._active[kind] == 0:
+                self._busy_since[kind] = time.perf_counter()
+            self._active[kind] += 1
+        try:
+            future = submit()
+        except BaseException:
+            self._finish(kind, nbytes, ok=False)
+            raise
+        future.add_done_callback(lambda f: self._finish(kind, nbytes, ok=f.exception() is None))
+        return IOFuture(future, nbytes)
+
+    def _finish(self, kind: Direction, nbytes: int, *, ok: bool) -> None:
+        with self._lock:
+            self._active[kind] -= 1
+            if self._active[kind] == 0:
+                busy = time.perf_counter() - self._busy_since[kind]
+                if kind == "write":
+                    self._stats.write_busy_seconds += busy
+                else:
+                    self._stats.read_busy_seconds += busy
+            if not ok:
+                return
+            if kind == "write":
+                self._stats.bytes_written += nbytes
+                self._stats.writes += 1
+            else:
+                self._stats.bytes_read += nbytes
+                self._stats.reads += 1
+
+
+def io_error(op: Direction, nbytes: int, slot: Slot, exc: BaseException) -> OffloadError:
+    """An :class:`OffloadError` naming the transfer, the file and offset, and the OS error."""
+    err = OffloadError(f"{op} of {nbytes} bytes at {slot.file.describe()} offset {slot.offset} failed: {exc}")
+    err.__cause__ = exc
+    return err

@@ -1,0 +1,167 @@
+"""The ``gds`` and ``compat`` engines: NVIDIA KvikIO (cuFile) file handles.
+
+``gds``: cuFile's direct path (compat mode off). Device memory goes to the drive by
+DMA with no host bounce buffer. KvikIO raises instead of falling back when compat
+mode is off, so a ``gds`` engine that works is really direct.
+
+``compat``: KvikIO's compatibility mode: POSIX I/O on KvikIO's thread pool through
+pinned bounce buffers (device tensors), or straight from host memory (CPU tensors),
+with O_DIRECT for both directions.
+
+KvikIO's thread pool and task size are process-wide settings; this engine sets
+them once when created (see :data:`DEFAULT_THREADS`, :data:`DEFAULT_TASK_BYTES`).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from gds_offload.errors import ConfigError, GDSUnavailableError
+from gds_offload.io.base import Direction, Engine, io_error
+
+if TYPE_CHECKING:
+    from gds_offload.io.limits import TokenBucket
+    from gds_offload.store import Slot, SpillFile
+
+__all__ = ["KvikIOEngine", "kvikio_status"]
+
+#: KvikIO threads. Its default (1) leaves a drive at queue depth 1.
+DEFAULT_THREADS = 4
+#: KvikIO splits each transfer into tasks of this size over its threads.
+DEFAULT_TASK_BYTES = 8 << 20
+
+
+@functools.cache
+def kvikio_status() -> tuple[bool, str]:
+    """(usable, reason): whether KvikIO imports and can do host I/O on this machine.
+
+    KvikIO needs ``libcuda.so.1`` even for host buffers; without it the import or the
+    first call fails. Cached per process.
+    """
+    try:
+        import kvikio  # noqa: F401
+        import kvikio.defaults
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable"
+        return False, f"KvikIO does not import ({type(exc).__name__}: {exc}); pip install 'gds_offload[cu12]'"
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return False, f"KvikIO needs libcuda.so.1 (the NVIDIA driver's library): {exc}"
+    return True, f"KvikIO {kvikio.__version__}"
+
+
+class KvikIOEngine(Engine):
+    """KvikIO ``CuFile`` reads and writes, in GDS (direct) or compat mode.
+
+    Args:
+        mode: ``"gds"`` (compat mode off: fail rather than fall back) or ``"compat"``.
+        num_threads: KvikIO's thread pool size (process-wide).
+        task_bytes: KvikIO's task size (process-wide).
+        issue_threads: this engine's own threads, which wait for the producing CUDA
+            event and for KvikIO's futures, so the caller never blocks.
+
+    Raises:
+        ConfigError: KvikIO is not usable here.
+    """
+
+    def __init__(
+        self,
+        mode: Literal["gds", "compat"],
+        *,
+        num_threads: int = DEFAULT_THREADS,
+        task_bytes: int = DEFAULT_TASK_BYTES,
+        issue_threads: int = 4,
+        limiter: TokenBucket | None = None,
+    ) -> None:
+        ok, why = kvikio_status()
+        if not ok:
+            raise ConfigError(f"mode={mode!r} needs KvikIO: {why}")
+        self.name = mode  # type: ignore[misc]  # one class, two engine names
+        super().__init__(limiter=limiter)
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        self._compat = kvikio.CompatMode.OFF if mode == "gds" else kvikio.CompatMode.ON
+        kvikio.defaults.set(
+            {
+                "num_threads": num_threads,
+                "task_size": task_bytes,
+                "auto_direct_io_read": True,
+                "auto_direct_io_write": True,
+            }
+        )
+        self.task_bytes = task_bytes
+        self._handles: dict[int, Any] = {}
+        self._handles_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(issue_threads, thread_name_prefix=f"gds_offload-{mode}")
+        self.uses_gds = mode == "gds"
+        self.description = (
+            f"KvikIO {kvikio.__version__} {'cuFile direct (GDS)' if mode == 'gds' else 'compat mode (POSIX, bounce buffers for device memory)'}, "
+            f"{num_threads} threads, {task_bytes >> 20} MiB tasks"
+        )
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=True)
+        with self._handles_lock:
+            for h in self._handles.values():
+                h.close()
+            self._handles.clear()
+
+    def _handle(self, f: SpillFile) -> Any:
+        with self._handles_lock:
+            h = self._handles.get(f.id)
+            if h is None:
+                try:
+                    with self._kvikio.defaults.set("compat_mode", self._compat):
+                        h = self._kvikio.CuFile(f.proc_path, "r+")
+                except Exception as exc:
+                    if self.name == "gds":
+                        raise GDSUnavailableError(
+                            f"cuFile could not open {f.describe()} in GDS mode ({exc}); "
+                            f"run gds-check --path {f.dir} for the reason, or use mode='compat'"
+                        ) from exc
+                    raise
+                self._handles[f.id] = h
+            return h
+
+    def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        return self._pool.submit(self._transfer, "write", src, slot, ready)
+
+    def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        return self._pool.submit(self._transfer, "read", dst, slot, ready)
+
+    def _transfer(self, kind: Direction, buf: torch.Tensor, slot: Slot, ready: Any) -> int:
+        total = buf.numel()
+        try:
+            if ready is not None:
+                ready.synchronize()
+            handle = self._handle(slot.file)
+            # KvikIO takes host memory as a numpy array and device memory through
+            # __cuda_array_interface__; uint8 views sidestep dtypes it cannot map (bf16, fp8).
+            arr = buf.numpy() if buf.device.type == "cpu" else buf
+            done = 0
+            while done < total:
+                self._throttle(total - done)
+                part = arr[done:]
+                fut = (handle.pwrite if kind == "write" else handle.pread)(
+                    part, total - done, slot.offset + done, self.task_bytes
+                )
+                n = fut.get()
+                if n <= 0:
+                    raise OSError(f"KvikIO {kind} moved {n} bytes at offset {slot.offset + done}")
+                done += n
+                if done < total:
+                    self._count_retry()
+            return total
+        except GDSUnavailableError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised with the file and offset
+            raise io_error(kind, total, slot, exc) from exc

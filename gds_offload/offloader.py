@@ -1,0 +1,295 @@
+"""``attach(model)``: wires the scheduler into a model's forward and backward.
+
+Hooks installed (all removed by :meth:`Offloader.detach`):
+
+* root forward pre-hook: enters ``torch.autograd.graph.saved_tensors_hooks`` with the
+  scheduler's pack/unpack (only when grad mode is on: under ``no_grad`` nothing is saved);
+* root forward hook (``always_call=True``, so an exception in forward still pops the
+  hooks): leaves it, and marks the start of backward on the output's ``grad_fn``;
+* per layer: a forward pre-hook (a new unit starts) and a forward hook that puts a
+  pre-hook on the layer output's ``grad_fn``: when backward reaches that layer, the
+  reads of the layers below are issued (prefetch).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from gds_offload.errors import ConfigError
+from gds_offload.io import choose_engine, make_engine, validate_mode
+from gds_offload.layers import resolve_layers
+from gds_offload.policy import OffloadAll, Policy
+from gds_offload.scheduler import Scheduler, SchedulerConfig
+from gds_offload.stats import OffloadStats
+from gds_offload.store import SpillStore, default_spill_dir
+from gds_offload.units import parse_bandwidth, parse_bytes
+
+__all__ = ["attach", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
+
+#: Storages under this size stay in memory. Measured with ``gds-offload bench-io``:
+#: below about 1 MiB per transfer the engines reach well under half of the drive's bandwidth.
+DEFAULT_MIN_BYTES = 1 << 20
+
+_POLICIES = ("all",)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything :func:`attach` was asked for, validated."""
+
+    paths: tuple[Path, ...]
+    mode: str
+    policy: str
+    min_bytes: int
+    keep_last: int
+    prefetch_bytes: int | None
+    max_bandwidth: float | None
+    on_error: Literal["fallback", "raise"]
+    num_threads: int | None = None
+    default_path: bool = field(default=False, compare=False)
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside a module output (tensor, tuple/list, dict, ``ModelOutput``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v)]
+    return []
+
+
+class Offloader:
+    """An offloader attached to one model. Create with :func:`attach`.
+
+    Use as a context manager to detach on exit::
+
+        with gds_offload.attach(model) as off:
+            model(x).sum().backward()
+        print(off.stats())
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, layers: Sequence[tuple[str, nn.Module]]) -> None:
+        # Validate first, then allocate, then register.
+        choice = choose_engine(config.mode, config.paths[0])  # type: ignore[arg-type]
+        self.config = config
+        self.layer_names = [n for n, _ in layers]
+        engine = make_engine(choice.engine, max_bandwidth=config.max_bandwidth, num_threads=config.num_threads)
+        try:
+            store = SpillStore(
+                list(config.paths) if engine.needs_files else [],
+                create_default=config.default_path,
+            )
+        except BaseException:
+            engine.close()
+            raise
+        policy: Policy = OffloadAll(keep_last=config.keep_last)
+        self._stats = OffloadStats(engine=engine.name, engine_reason=choice.reason, gds=engine.uses_gds)
+        self.engine = engine
+        self.store = store
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.min_bytes, config.prefetch_bytes, config.on_error), policy, engine, store, self._stats
+        )
+        self._model_ref = weakref.ref(model)
+        self._hook_ctx: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._depth = 0
+        self._handles: list[RemovableHandle] = []
+        self._attached = True
+        self._handles.append(model.register_forward_pre_hook(self._root_pre))
+        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        for name, layer in layers:
+            self._handles.append(layer.register_forward_pre_hook(lambda _m, _a, n=name: self.scheduler.begin_layer(n)))
+            self._handles.append(layer.register_forward_hook(self._layer_post))
+        model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._depth += 1
+        if self._depth > 1:
+            return  # the model calls itself: one forward
+        params = [p for p in module.parameters()] + [b for b in module.buffers()]
+        self._fid = self.scheduler.begin_forward(params, len(self.layer_names))
+        ctx = torch.autograd.graph.saved_tensors_hooks(self.scheduler.pack, self.scheduler.unpack)
+        ctx.__enter__()
+        self._hook_ctx.append(ctx)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._hook_ctx or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        ctx = self._hook_ctx.pop()
+        ctx.__exit__(None, None, None)
+        position = self.scheduler.current_position()
+        self.scheduler.end_forward()
+        if position is not None:
+            self._on_backward_of(output, *position)
+
+    def _layer_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        position = self.scheduler.current_position()
+        if position is not None:
+            self._on_backward_of(output, *position)
+
+    def _on_backward_of(self, output: Any, forward_id: int, unit: int) -> None:
+        for t in _tensors_in(output):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(lambda _g, f=forward_id, u=unit: self.scheduler.on_unit_backward(f, u))
+                return
+
+    # ------------------------------------------------------------------ public
+    def stats(self, *, reset: bool = False) -> OffloadStats:
+        """A snapshot of the counters. ``reset=True`` zeroes them (peak included) after reading."""
+        with self.scheduler._lock:
+            e = self.engine.stats()
+            snap = replace(
+                self._stats,
+                write_seconds=e.write_busy_seconds,
+                read_seconds=e.read_busy_seconds,
+                spill_file_bytes=self.store.file_bytes(),
+                layers=self.scheduler.layer_stats(),
+            )
+            if reset:
+                keep = self._stats
+                fresh = OffloadStats(engine=keep.engine, engine_reason=keep.engine_reason, gds=keep.gds)
+                fresh.resident_bytes = fresh.peak_resident_bytes = keep.resident_bytes
+                for k, v in vars(fresh).items():
+                    setattr(keep, k, v)
+            return snap
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def detach(self) -> None:
+        """Remove every hook, wait for in-flight writes, release the spill store. Idempotent.
+
+        Safe while a graph built with the offloader is still alive: tensors whose bytes
+        are only on disk are read back into memory first, so its backward still works.
+        """
+        if not self._attached:
+            return
+        self._attached = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        while self._hook_ctx:  # detach() called from inside forward
+            self._hook_ctx.pop().__exit__(None, None, None)
+        self.scheduler.wait_inflight()
+        self.scheduler.materialize_all()
+        self.engine.close()
+        self.store.close()
+        model = self._model_ref()
+        if model is not None and getattr(model, "_gds_offloader", None) is not None:
+            del model._gds_offloader
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return (
+            f"Offloader(engine={self.engine.name!r}, paths={[str(p) for p in self.config.paths]}, "
+            f"layers={len(self.layer_names)}, attached={self._attached})"
+        )
+
+
+def attach(
+    model: nn.Module,
+    *,
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    mode: str = "auto",
+    policy: str = "all",
+    min_bytes: int | str = DEFAULT_MIN_BYTES,
+    keep_last: int = 1,
+    layers: Sequence[nn.Module | str] | None = None,
+    prefetch_bytes: int | str | None = None,
+    max_bandwidth: float | str | None = None,
+    on_error: Literal["fallback", "raise"] = "fallback",
+    num_threads: int | None = None,
+) -> Offloader:
+    """Offload the activations ``model`` saves for backward to NVMe (or host memory).
+
+    Args:
+        model: any ``nn.Module``. Its repeated blocks (``ModuleList``/``Sequential`` of one
+            type) are found automatically; override with ``layers``.
+        path: spill directory, or a list of them (one per drive; tensors are striped).
+            Default: ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>`` (created 0700).
+        mode: ``auto`` (GDS where usable, else KvikIO compat, else POSIX), ``gds``,
+            ``compat``, ``posix`` or ``host``.
+        policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers.
+        min_bytes: storages smaller than this stay in memory (int or ``"1MiB"``).
+        keep_last: number of last layer calls whose activations stay in memory
+            (backward needs them first).
+        layers: the blocks to plan by, as modules or qualified names.
+        prefetch_bytes: bytes of reads issued ahead of backward; default twice the largest layer.
+        max_bandwidth: cap the engine at this many bytes/s (``"200MB/s"``): imitate a slow
+            drive, or leave bandwidth to other jobs.
+        on_error: when a write fails (drive full, I/O error): ``fallback`` keeps the tensor
+            in memory and warns once; ``raise`` raises :class:`OffloadError` at the next hook.
+        num_threads: I/O threads of the engine (default: the engine's measured default).
+
+    Returns:
+        The :class:`Offloader`; also a context manager that detaches on exit.
+
+    Raises:
+        ConfigError: bad arguments (the message names the argument and the fix).
+        GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ConfigError(
+            "attach() got a torch.compile'd module; saved-tensor hooks do not run inside compiled graphs. "
+            "Attach to the uncompiled model (model._orig_mod), or compile only submodules inside its layers"
+        )
+    existing = getattr(model, "_gds_offloader", None)
+    if existing is not None and existing() is not None and existing().attached:
+        raise ConfigError("an offloader is already attached to this model; call .detach() on it first")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")
+    validate_mode(mode)
+    if policy not in _POLICIES:
+        raise ConfigError(f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)}")
+    if on_error not in ("fallback", "raise"):
+        raise ConfigError(f"on_error={on_error!r} is unknown; expected 'fallback' or 'raise'")
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
+        raise ConfigError(f"keep_last={keep_last!r} must be an int >= 0 (layers kept in memory at the end)")
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise ConfigError(f"num_threads={num_threads!r} must be a positive int")
+    default_path = path is None
+    if path is None:
+        paths: tuple[Path, ...] = (default_spill_dir(),)
+    elif isinstance(path, (str, os.PathLike)):
+        paths = (Path(path),)
+    else:
+        paths = tuple(Path(p) for p in path)
+        if not paths:
+            raise ConfigError("path=[] names no directory; pass a directory or a list of them")
+    config = OffloadConfig(
+        paths=paths,
+        mode=mode,
+        policy=policy,
+        min_bytes=parse_bytes(min_bytes, name="min_bytes"),
+        keep_last=keep_last,
+        prefetch_bytes=None if prefetch_bytes is None else parse_bytes(prefetch_bytes, name="prefetch_bytes"),
+        max_bandwidth=None if max_bandwidth is None else parse_bandwidth(max_bandwidth),
+        on_error=on_error,
+        num_threads=num_threads,
+        default_path=default_path,
+    )
+    return Offloader(model, config, resolve_layers(model, layers))
+

@@ -1,0 +1,64 @@
+"""Byte sizes and bandwidths written by people: ``"40GiB"``, ``"200MB/s"``."""
+from __future__ import annotations
+
+import re
+
+from gds_offload.errors import ConfigError
+
+__all__ = ["parse_bytes", "parse_bandwidth", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
+    """Parse a non-negative byte count: an int, or a string such as ``"40GiB"``, ``"1.5 GB"``, ``"4096"``.
+
+    Raises:
+        ConfigError: the value is negative, not a number, or has an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is a bool; pass a byte count such as 4096 or '40GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{name}={value!r} is negative; pass a byte count >= 0")
+        return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) is not a size; pass an int or a string like '40GiB'")
+    m = _SIZE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{name}={value!r} is not a size; write a number with an optional unit "
+            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '40GiB' or '512MB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_bandwidth(value: int | float | str, *, name: str = "max_bandwidth") -> float:
+    """Parse bytes per second: a number, or a string such as ``"200MB/s"`` or ``"1.5GiB/s"``.
+
+    Raises:
+        ConfigError: not a positive bandwidth.
+    """
+    text = value
+    if isinstance(value, str):
+        text = re.sub(r"\s*(/s|ps)\s*$", "", value.strip(), flags=re.IGNORECASE)
+    rate = parse_bytes(text, name=name)
+    if rate <= 0:
+        raise ConfigError(f"{name}={value!r} must be positive (bytes per second, e.g. '200MB/s')")
+    return float(rate)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, three significant digits."""
+    step = 1024.0
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < step or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+        nbytes /= step
+    raise AssertionError("unreachable")
