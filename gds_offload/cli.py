@@ -1,0 +1,53 @@
+"""``gds-offload``: one subcommand per module in :mod:`gds_offload.commands`.
+
+Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit code), and imports heavy packages inside ``run``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gds_offload._version import __version__
+
+__all__ = ["main"]
+
+COMMANDS: dict[str, str] = {
+    "info": "gds_offload.commands.info",
+    "bench-io": "gds_offload.commands.bench_io",
+    "demo": "gds_offload.commands.demo",
+    "bench": "gds_offload.commands.bench",
+    "rok": "gds_offload.commands.rok",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gds-offload", description="Activation offloading to NVMe through GPUDirect Storage.")
+    parser.add_argument("--version", action="version", version=f"gds_offload {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # command not built in this version
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

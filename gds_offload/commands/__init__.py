@@ -1,0 +1,1 @@
+"""Subcommands of ``gds-offload`` (see :mod:`gds_offload.cli`)."""
