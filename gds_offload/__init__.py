@@ -11,11 +11,15 @@ Usage::
 from gds_offload._version import __version__
 from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
 from gds_offload.offloader import Offloader, OffloadConfig, attach
+from gds_offload.policy import Budget, BudgetError, Plan
 from gds_offload.stats import LayerStats, OffloadStats
 
 __all__ = [
     "__version__",
     "attach",
+    "Budget",
+    "BudgetError",
+    "Plan",
     "Offloader",
     "OffloadConfig",
     "OffloadStats",

@@ -12,6 +12,9 @@ Hooks installed (all removed by :meth:`Offloader.detach`):
 """
 from __future__ import annotations
 
+import atexit
+import difflib
+import functools
 import os
 import weakref
 from collections.abc import Sequence
@@ -26,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from gds_offload.errors import ConfigError
 from gds_offload.io import choose_engine, make_engine, validate_mode
 from gds_offload.layers import resolve_layers
-from gds_offload.policy import OffloadAll, Policy
+from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
 from gds_offload.store import SpillStore, default_spill_dir
@@ -38,7 +41,7 @@ __all__ = ["attach", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
 #: below about 1 MiB per transfer the engines reach well under half of the drive's bandwidth.
 DEFAULT_MIN_BYTES = 1 << 20
 
-_POLICIES = ("all",)
+_POLICIES = ("all", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,14 @@ class OffloadConfig:
 
     paths: tuple[Path, ...]
     mode: str
-    policy: str
+    policy: str | Budget
     min_bytes: int
     keep_last: int
     prefetch_bytes: int | None
     max_bandwidth: float | None
     on_error: Literal["fallback", "raise"]
     num_threads: int | None = None
+    verify: bool = False
     default_path: bool = field(default=False, compare=False)
 
 
@@ -92,12 +96,16 @@ class Offloader:
         except BaseException:
             engine.close()
             raise
-        policy: Policy = OffloadAll(keep_last=config.keep_last)
+        policy = _make_policy(config)
         self._stats = OffloadStats(engine=engine.name, engine_reason=choice.reason, gds=engine.uses_gds)
         self.engine = engine
         self.store = store
         self.scheduler = Scheduler(
-            SchedulerConfig(config.min_bytes, config.prefetch_bytes, config.on_error), policy, engine, store, self._stats
+            SchedulerConfig(config.min_bytes, config.prefetch_bytes, config.on_error, verify=config.verify),
+            policy,
+            engine,
+            store,
+            self._stats,
         )
         self._model_ref = weakref.ref(model)
         self._hook_ctx: list[torch.autograd.graph.saved_tensors_hooks] = []
@@ -109,7 +117,13 @@ class Offloader:
         for name, layer in layers:
             self._handles.append(layer.register_forward_pre_hook(lambda _m, _a, n=name: self.scheduler.begin_layer(n)))
             self._handles.append(layer.register_forward_hook(self._layer_post))
+        # always_call forward hooks do not run when forward is left by a BaseException
+        # (KeyboardInterrupt, SystemExit): this guard pops the hooks then. See _InterruptGuard.
+        self._guard = _InterruptGuard(model.forward, self._abort_forward)
+        self._had_forward_attr = "forward" in model.__dict__
+        model.forward = self._guard  # type: ignore[method-assign]
         model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
@@ -148,6 +162,16 @@ class Offloader:
                 t.grad_fn.register_prehook(lambda _g, f=forward_id, u=unit: self.scheduler.on_unit_backward(f, u))
                 return
 
+    def _abort_forward(self) -> None:
+        """Forward was interrupted (KeyboardInterrupt, SystemExit): pop the hooks, end the forward."""
+        if not self._hook_ctx and not self._depth:
+            return
+        self._depth = 0
+        while self._hook_ctx:
+            self._hook_ctx.pop().__exit__(None, None, None)
+        if self.scheduler.current_position() is not None:
+            self.scheduler.end_forward()
+
     # ------------------------------------------------------------------ public
     def stats(self, *, reset: bool = False) -> OffloadStats:
         """A snapshot of the counters. ``reset=True`` zeroes them (peak included) after reading."""
@@ -168,6 +192,10 @@ class Offloader:
                     setattr(keep, k, v)
             return snap
 
+    def plan(self) -> Plan:
+        """The policy's current per-layer decision with its reasons (printable with ``rich.print``)."""
+        return self.scheduler.policy.plan()
+
     @property
     def attached(self) -> bool:
         return self._attached
@@ -186,13 +214,28 @@ class Offloader:
         self._handles.clear()
         while self._hook_ctx:  # detach() called from inside forward
             self._hook_ctx.pop().__exit__(None, None, None)
+        model = self._model_ref()
+        if model is not None and model.__dict__.get("forward") is self._guard:
+            if self._had_forward_attr:
+                model.forward = self._guard.forward  # type: ignore[method-assign]
+            else:
+                del model.forward
         self.scheduler.wait_inflight()
         self.scheduler.materialize_all()
         self.engine.close()
         self.store.close()
-        model = self._model_ref()
+        _LIVE.discard(self)
         if model is not None and getattr(model, "_gds_offloader", None) is not None:
             del model._gds_offloader
+
+    def _close_at_exit(self) -> None:
+        """Interpreter exit: finish in-flight writes and close engine and store (no read-back)."""
+        if not self._attached:
+            return
+        self._attached = False
+        self.scheduler.wait_inflight()
+        self.engine.close()
+        self.store.close()
 
     def __enter__(self) -> Offloader:
         return self
@@ -212,7 +255,8 @@ def attach(
     *,
     path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     mode: str = "auto",
-    policy: str = "all",
+    policy: str | Budget = "all",
+    budget: int | str | None = None,
     min_bytes: int | str = DEFAULT_MIN_BYTES,
     keep_last: int = 1,
     layers: Sequence[nn.Module | str] | None = None,
@@ -220,6 +264,7 @@ def attach(
     max_bandwidth: float | str | None = None,
     on_error: Literal["fallback", "raise"] = "fallback",
     num_threads: int | None = None,
+    verify: bool = False,
 ) -> Offloader:
     """Offload the activations ``model`` saves for backward to NVMe (or host memory).
 
@@ -230,17 +275,26 @@ def attach(
             Default: ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>`` (created 0700).
         mode: ``auto`` (GDS where usable, else KvikIO compat, else POSIX), ``gds``,
             ``compat``, ``posix`` or ``host``.
-        policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers.
+        policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers;
+            ``adaptive``: measure a step, then offload the most that the drive can hide
+            behind compute; a :class:`~gds_offload.policy.Budget`: keep peak activation
+            memory under a target with the least I/O.
+        budget: shorthand for ``policy=Budget(budget)`` (``"40GiB"``).
         min_bytes: storages smaller than this stay in memory (int or ``"1MiB"``).
         keep_last: number of last layer calls whose activations stay in memory
             (backward needs them first).
         layers: the blocks to plan by, as modules or qualified names.
-        prefetch_bytes: bytes of reads issued ahead of backward; default twice the largest layer.
+        prefetch_bytes: bytes of reads issued ahead of the layer in backward; default: one
+            layer ahead (``adaptive`` deepens it when the drive needs more time).
         max_bandwidth: cap the engine at this many bytes/s (``"200MB/s"``): imitate a slow
             drive, or leave bandwidth to other jobs.
         on_error: when a write fails (drive full, I/O error): ``fallback`` keeps the tensor
             in memory and warns once; ``raise`` raises :class:`OffloadError` at the next hook.
         num_threads: I/O threads of the engine (default: the engine's measured default).
+        verify: checksum (xxh3-64) every spill slot after its write and check it after each
+            read; a mismatch raises :class:`OffloadError` naming the layer, tensor, file and
+            offset. Off by default: without it, bytes changed on disk go undetected
+            (see :mod:`gds_offload.integrity`).
 
     Returns:
         The :class:`Offloader`; also a context manager that detaches on exit.
@@ -262,8 +316,16 @@ def attach(
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")
     validate_mode(mode)
-    if policy not in _POLICIES:
-        raise ConfigError(f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)}")
+    if budget is not None:
+        if policy != "all":
+            raise ConfigError(f"pass either budget={budget!r} or policy={policy!r}, not both")
+        policy = Budget(budget)
+    if not isinstance(policy, Budget) and policy not in _POLICIES:
+        hint = difflib.get_close_matches(str(policy), _POLICIES, n=1)
+        raise ConfigError(
+            f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)} or gds_offload.Budget('40GiB')"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        )
     if on_error not in ("fallback", "raise"):
         raise ConfigError(f"on_error={on_error!r} is unknown; expected 'fallback' or 'raise'")
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
@@ -289,7 +351,59 @@ def attach(
         max_bandwidth=None if max_bandwidth is None else parse_bandwidth(max_bandwidth),
         on_error=on_error,
         num_threads=num_threads,
+        verify=bool(verify),
         default_path=default_path,
     )
     return Offloader(model, config, resolve_layers(model, layers))
 
+
+
+def _make_policy(config: OffloadConfig) -> Policy:
+    if isinstance(config.policy, Budget):
+        return config.policy
+    if config.policy == "adaptive":
+        return Adaptive(keep_last=config.keep_last)
+    return OffloadAll(keep_last=config.keep_last)
+
+
+class _InterruptGuard:
+    """``model.forward`` while an offloader is attached: calls the real forward, and when a
+    ``BaseException`` that is not an ``Exception`` (KeyboardInterrupt, SystemExit) leaves it,
+    runs ``on_abort`` so the saved-tensor hooks are popped at once. (``always_call`` forward
+    hooks cover ``Exception`` only.)
+
+    Copying or pickling the model yields its plain forward (``__reduce__``), never the guard.
+    """
+
+    def __init__(self, forward: Any, on_abort: Any) -> None:
+        self.forward = forward
+        self._on_abort = on_abort
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.forward(*args, **kwargs)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._on_abort()
+            raise
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unguarded, (self.forward,)
+
+
+def _unguarded(forward: Any) -> Any:
+    return forward
+
+
+#: Attached offloaders, closed at interpreter exit (in-flight writes finish, threads stop).
+_LIVE: weakref.WeakSet[Offloader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for off in list(_LIVE):
+        try:
+            off._close_at_exit()
+        except Exception:  # noqa: BLE001 - exiting anyway; never mask the exit status
+            pass

@@ -36,6 +36,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gds_offload.errors import OffloadError, SpillSpaceError
+from gds_offload.integrity import checked_read, checked_write, checksum
+from gds_offload.profile import Clock, StepProfile, UnitProfile
 from gds_offload.stats import LayerStats, OffloadStats
 
 if TYPE_CHECKING:
@@ -56,10 +58,12 @@ class Phase(enum.Enum):
 class SchedulerConfig:
     #: Storages smaller than this stay in memory: small transfers cost more than they save.
     min_bytes: int
-    #: Bytes of reads kept in flight ahead of backward; ``None``: twice the largest unit.
+    #: Bytes of reads kept in flight ahead of backward; ``None``: the policy's ``prefetch_units``.
     prefetch_bytes: int | None
     #: What a failed write does: keep the tensor resident and warn, or raise.
     on_error: Literal["fallback", "raise"]
+    #: Checksum every slot after its write and check it after each read (see :mod:`gds_offload.integrity`).
+    verify: bool = False
 
 
 def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -90,12 +94,14 @@ class _Entry:
     kept: bool = False
     forwarded: bool = False
     counted_resident: bool = False
+    #: xxh3-64 of the bytes written (``verify=True`` only).
+    checksum: int | None = None
 
 
 class _Handle:
     """What autograd stores in place of a saved tensor. Freed by autograd -> :meth:`Scheduler._release`."""
 
-    __slots__ = ("entry", "offset", "size", "stride", "dtype", "unpacked", "scheduler", "__weakref__")
+    __slots__ = ("entry", "offset", "size", "stride", "dtype", "unpacked", "scheduler", "forward_id", "__weakref__")
 
     def __init__(self, scheduler: Scheduler, entry: _Entry, t: torch.Tensor) -> None:
         self.scheduler = scheduler
@@ -105,6 +111,7 @@ class _Handle:
         self.stride = t.stride()
         self.dtype = t.dtype
         self.unpacked = False
+        self.forward_id = -1
 
     def __del__(self) -> None:
         self.scheduler._release(self)
@@ -112,15 +119,31 @@ class _Handle:
 
 @dataclass
 class _Unit:
-    """Bookkeeping of one layer call of one forward."""
+    """Bookkeeping of one layer call of one forward. ``t_*`` are :class:`Clock` marks."""
 
     name: str
+    t_start: Any = None
     entries: list[_Entry] = field(default_factory=list)
     offloaded_bytes: int = 0
+    #: Bytes this unit could offload (>= min_bytes, after dedup), whatever the policy said.
+    eligible_bytes: int = 0
     prefetched: bool = False
-    t_start: float = 0.0
-    t_end: float = 0.0
-    t_backward: float = 0.0
+    #: Time backward waited for this unit's reads (not compute: subtracted from its backward time).
+    io_wait_s: float = 0.0
+    t_end: Any = None
+    t_backward: Any = None
+
+
+@dataclass
+class _Forward:
+    """Per-forward figures that become a :class:`StepProfile` when its backward ends."""
+
+    clock: Clock
+    #: Handles of this forward still held by autograd.
+    live_handles: int = 0
+    fixed_bytes: int = 0
+    io_wait_s: float = 0.0
+    peak_resident_bytes: int = 0
 
 
 class Scheduler:
@@ -151,7 +174,11 @@ class Scheduler:
         self._warned: set[str] = set()
         self._error: OffloadError | None = None
         self._inflight: set[_Entry] = set()
+        #: Every entry that holds a spill slot (live handles or a write in flight).
+        self._slotted: set[_Entry] = set()
         self._backward_started: set[int] = set()
+        self._forwards: dict[int, _Forward] = {}
+        self._engine_mark = engine.stats()
 
     # ------------------------------------------------------------------ phases
     def begin_forward(self, params: list[torch.Tensor], expected_layer_calls: int) -> int:
@@ -165,7 +192,9 @@ class Scheduler:
             self._param_storages = {p.untyped_storage()._cdata for p in params}
             calls = self._layer_calls_last or expected_layer_calls
             self.policy.begin_forward(calls)
-            self._units[(self._forward_id, 0)] = _Unit("<pre>", t_start=time.perf_counter())
+            clock = Clock(params[0].device if params else torch.device("cpu"))
+            self._forwards[self._forward_id] = _Forward(clock, peak_resident_bytes=self._stats.resident_bytes)
+            self._units[(self._forward_id, 0)] = _Unit("<pre>", t_start=clock.mark())
             self._stats.steps += 1
             return self._forward_id
 
@@ -175,7 +204,7 @@ class Scheduler:
             self._layer_calls_last = self._unit
             unit = self._units.get((self._forward_id, self._unit))
             if unit is not None:
-                unit.t_end = time.perf_counter()
+                unit.t_end = self._forwards[self._forward_id].clock.mark()
             self._phase = Phase.IDLE
 
     def begin_layer(self, name: str) -> None:
@@ -183,7 +212,7 @@ class Scheduler:
         with self._lock:
             if self._phase is not Phase.FORWARD:
                 return  # recomputation under checkpoint during backward: not a new unit
-            now = time.perf_counter()
+            now = self._forwards[self._forward_id].clock.mark()
             prev = self._units.get((self._forward_id, self._unit))
             if prev is not None:
                 prev.t_end = now
@@ -200,8 +229,8 @@ class Scheduler:
         self._note_backward(forward_id)
         with self._lock:
             u = self._units.get((forward_id, unit))
-            if u is not None and not u.t_backward:
-                u.t_backward = time.perf_counter()
+            if u is not None and u.t_backward is None:
+                u.t_backward = self._forwards[forward_id].clock.mark()
         self._prefetch(forward_id, unit)
 
     # ------------------------------------------------------------------ hooks
@@ -227,11 +256,16 @@ class Scheduler:
             if entry is not None and entry.storage_ref is not None and not entry.storage_ref.expired():
                 self._stats.bytes_deduplicated += entry.nbytes
                 self._move_to_current_unit(entry)
+                entry.handles += 1
+                entry.pending += 1
             else:
-                entry = self._new_entry(t, storage, key)
-            entry.handles += 1
-            entry.pending += 1
-            return _Handle(self, entry, t)
+                entry = self._new_entry(t, storage, key)  # counts its first handle itself
+            fwd = self._forwards.get(self._forward_id) if self._phase is Phase.FORWARD else None
+            if fwd is not None:
+                fwd.live_handles += 1
+            handle = _Handle(self, entry, t)
+            handle.forward_id = self._forward_id if fwd is not None else -1
+            return handle
 
     def unpack(self, handle: Any) -> torch.Tensor:
         """``unpack_hook(handle) -> tensor``: runs when backward needs the saved tensor.
@@ -247,6 +281,9 @@ class Scheduler:
         if not isinstance(handle, _Handle):
             return handle
         entry = handle.entry
+        if self._error is not None:  # on_error="raise": a write failed; the tensor is still in memory
+            with self._lock:
+                self._raise_pending_error()
         self._note_backward(entry.forward_id)
         data = self._bytes_of(entry, handle)
         out = torch.empty(0, dtype=handle.dtype, device=data.device).set_(
@@ -279,7 +316,9 @@ class Scheduler:
         # Caller holds the lock.
         fid, unit = (self._forward_id, self._unit) if self._phase is Phase.FORWARD else (-1, 0)
         nbytes = storage.nbytes()
-        entry = _Entry(nbytes, t.device, fid, unit, StorageWeakRef(storage), key)
+        # The first handle is counted before the write starts: a write that completes at once
+        # (its callback runs inside engine.write) must not see handles == 0 and drop the bytes.
+        entry = _Entry(nbytes, t.device, fid, unit, StorageWeakRef(storage), key, handles=1, pending=1)
         self._dedup[key] = entry
         self._stats.bytes_packed += nbytes
         entry.source = _byte_view(storage, t.device)
@@ -287,7 +326,12 @@ class Scheduler:
         u = self._units.get((fid, unit))
         layer = self._layer_stat(u.name if u else "<outside forward>")
         layer.bytes_packed += nbytes
-        if nbytes < self.config.min_bytes or fid < 0 or not self.policy.offload(unit):
+        eligible = nbytes >= self.config.min_bytes and u is not None
+        if eligible:
+            u.eligible_bytes += nbytes
+        elif fid in self._forwards:
+            self._forwards[fid].fixed_bytes += nbytes
+        if not eligible or not self.policy.offload(unit):
             entry.kept = True
             self._stats.bytes_kept += nbytes
             layer.bytes_kept += nbytes
@@ -297,6 +341,7 @@ class Scheduler:
         except SpillSpaceError as exc:
             self._write_failed(entry, exc)
             return entry
+        self._slotted.add(entry)
         ready = None
         if t.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -312,11 +357,13 @@ class Scheduler:
 
     def _on_written(self, entry: _Entry, future: IOFuture) -> None:
         """Engine thread: a write finished. Drop the in-memory copy unless it is still needed."""
+        slot, src = entry.slot, entry.source
+        exc = checked_write(future, entry.nbytes, slot) if slot is not None else None
+        if exc is None and self.config.verify and src is not None:
+            entry.checksum = checksum(src)  # outside the lock; the source is dropped only below
         with self._lock:
             self._inflight.discard(entry)
-            try:
-                future.wait(0)
-            except OffloadError as exc:
+            if exc is not None:
                 self._write_failed(entry, exc)
                 if entry.handles == 0:
                     entry.source = None
@@ -325,12 +372,17 @@ class Scheduler:
             self._stats.bytes_offloaded += entry.nbytes
             if entry.handles == 0:
                 self._free_slot(entry)
+            unit = self._units.get((entry.forward_id, entry.unit))
+            if entry.handles and unit is not None and unit.prefetched:
+                return  # backward is about to need it: keep serving it from memory
             if entry.source is not None:
                 entry.source = None
                 self._uncount_resident(entry)
 
     def _write_failed(self, entry: _Entry, exc: OffloadError) -> None:
         # Caller holds the lock. The source is still in memory: nothing is lost.
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        site = (entry.slot.file.describe() if entry.slot is not None else "allocate", getattr(cause, "errno", None))
         self._free_slot(entry)
         entry.kept = True
         self._stats.bytes_fallback += entry.nbytes
@@ -341,12 +393,12 @@ class Scheduler:
             )
             self._error.__cause__ = exc
             return
-        where = str(exc).split(" failed:")[0] if isinstance(exc, OffloadError) else str(exc)
-        if where not in self._warned:
-            self._warned.add(where)
+        if str(site) not in self._warned:  # once per file and error, not per tensor
+            self._warned.add(str(site))
             warnings.warn(
-                f"gds_offload: {exc}. Tensors that cannot be written stay in memory "
-                f"(stats().bytes_fallback counts them); free space to offload again.",
+                f"gds_offload: {exc}. This tensor's {entry.nbytes} bytes, and those of every tensor "
+                f"that cannot be written, stay in memory instead (stats().bytes_fallback counts them); "
+                f"free space in the spill directory to offload them again.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -365,7 +417,7 @@ class Scheduler:
             self._backward_started.add(forward_id)
             self._phase = Phase.BACKWARD if self._phase is Phase.IDLE else self._phase
         try:  # run finish_units when this backward call ends
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish_units(forward_id))
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish_units(forward_id, observe=True))
         except RuntimeError:
             pass  # unpacked outside a backward pass (e.g. grad_fn._saved_*): nothing to finish
 
@@ -387,9 +439,7 @@ class Scheduler:
     def _prune_units(self) -> None:
         # Caller holds the lock. Forwards whose backward never ran (or ran without our
         # end-of-backward callback) are dropped once no handle of theirs is alive.
-        done = {f for (f, _) in self._units} - {
-            f for (f, _), u in self._units.items() if any(e.handles for e in u.entries)
-        }
+        done = [f for f, fwd in self._forwards.items() if fwd.live_handles == 0]
         for fid in done:
             self.finish_units(fid)
 
@@ -415,8 +465,15 @@ class Scheduler:
             try:
                 read.wait()
             finally:
+                waited = time.perf_counter() - t0
                 with self._lock:
-                    self._stats.io_wait_seconds += time.perf_counter() - t0
+                    self._stats.io_wait_seconds += waited
+                    fwd = self._forwards.get(entry.forward_id)
+                    if fwd is not None:
+                        fwd.io_wait_s += waited
+                    unit = self._units.get((entry.forward_id, entry.unit))
+                    if unit is not None:
+                        unit.io_wait_s += waited
         try:
             read.wait(0)
         except OffloadError as exc:
@@ -447,23 +504,29 @@ class Scheduler:
         entry.loaded = dst
         entry.loaded_weak = weakref.ref(dst)
         self._count_resident(entry)
-        entry.read = self.engine.read(dst, entry.slot, ready=ready)
+        # Completes once all bytes arrived and, with verify, their checksum matched.
+        entry.read = checked_read(self.engine.read(dst, entry.slot, ready=ready), dst, entry.slot, entry.checksum)
 
     def _prefetch(self, forward_id: int, unit: int) -> None:
-        """Issue reads for the units below ``unit`` within the prefetch window."""
+        """Issue the reads of ``unit`` and of the offloaded units below it within the window.
+
+        The window is ``prefetch_bytes`` when set, else the policy's ``prefetch_units``
+        offloaded units (units kept in memory need no read and are not counted).
+        """
         with self._lock:
-            window = self.config.prefetch_bytes
-            if window is None:
-                sizes = [u.offloaded_bytes for (f, _), u in self._units.items() if f == forward_id]
-                window = 2 * max(sizes, default=0)
-            budget = window
+            max_bytes = self.config.prefetch_bytes
+            max_units = getattr(self.policy, "prefetch_units", 1)
+            ahead_bytes = ahead_units = 0
             for k in range(unit, -1, -1):
                 u = self._units.get((forward_id, k))
-                if u is None:
+                if u is None or (k < unit and not u.offloaded_bytes):
                     continue
-                if k < unit - 1 and budget < u.offloaded_bytes:
-                    break  # the unit in use and the next one always; further ones within the window
-                budget -= u.offloaded_bytes
+                if k < unit:
+                    full = ahead_bytes + u.offloaded_bytes > max_bytes if max_bytes is not None else ahead_units >= max_units
+                    if ahead_units and full:
+                        break
+                    ahead_units += 1
+                    ahead_bytes += u.offloaded_bytes
                 if u.prefetched:
                     continue
                 u.prefetched = True
@@ -475,6 +538,9 @@ class Scheduler:
         """Autograd freed a handle (any thread). The last handle frees memory and slot."""
         entry = handle.entry
         with self._lock:
+            fwd = self._forwards.get(handle.forward_id)
+            if fwd is not None:
+                fwd.live_handles -= 1
             entry.handles -= 1
             if not handle.unpacked:
                 entry.pending -= 1
@@ -499,6 +565,7 @@ class Scheduler:
             self._free_slot(entry)
 
     def _free_slot(self, entry: _Entry) -> None:
+        self._slotted.discard(entry)
         if entry.slot is not None:
             self.engine.release(entry.slot)
             self.store.free(entry.slot)
@@ -509,6 +576,8 @@ class Scheduler:
             entry.counted_resident = True
             self._stats.resident_bytes += entry.nbytes
             self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self._stats.resident_bytes)
+            for fwd in self._forwards.values():
+                fwd.peak_resident_bytes = max(fwd.peak_resident_bytes, self._stats.resident_bytes)
 
     def _uncount_resident(self, entry: _Entry) -> None:
         if entry.counted_resident and entry.source is None and entry.loaded is None:
@@ -522,17 +591,56 @@ class Scheduler:
         return s
 
     # ------------------------------------------------------------------ lifecycle
-    def finish_units(self, forward_id: int) -> None:
-        """Drop the bookkeeping of a forward whose backward is done (its timings go to the layer stats)."""
+    def finish_units(self, forward_id: int, *, observe: bool = False) -> None:
+        """Drop the bookkeeping of a forward whose backward is done.
+
+        With ``observe`` (called when its backward ends), its timings go to the layer
+        stats and, as a :class:`StepProfile`, to the policy.
+        """
         with self._lock:
-            for key in [k for k in self._units if k[0] == forward_id]:
-                u = self._units.pop(key)
-                s = self._layer_stat(u.name)
-                if u.t_end > u.t_start:
-                    s.forward_seconds += u.t_end - u.t_start
+            fwd = self._forwards.pop(forward_id, None)
+            units = [self._units.pop(k) for k in sorted(k for k in self._units if k[0] == forward_id)]
             self._backward_started.discard(forward_id)
             if self._phase is Phase.BACKWARD:
                 self._phase = Phase.IDLE
+            if not observe or fwd is None or not units:
+                return
+            profile = self._profile(fwd, units)
+            for u, p in zip(units, profile.units):
+                s = self._layer_stat(u.name)
+                s.forward_seconds += p.forward_s
+                s.backward_seconds += p.backward_s
+        self.policy.observe(profile)
+
+    def _profile(self, fwd: _Forward, units: list[_Unit]) -> StepProfile:
+        # Caller holds the lock.
+        clock = fwd.clock
+        end_backward = clock.mark()
+        rows = []
+        for k, u in enumerate(units):
+            t_next = units[k + 1].t_start if k + 1 < len(units) else u.t_end
+            b_end = units[k - 1].t_backward if k >= 2 else (end_backward if k == 1 else None)
+            rows.append(
+                UnitProfile(
+                    name=u.name,
+                    forward_s=clock.seconds(u.t_start, t_next),
+                    backward_s=max(0.0, clock.seconds(u.t_backward, b_end) - u.io_wait_s) if u.t_backward is not None else 0.0,
+                    eligible_bytes=u.eligible_bytes,
+                    offloaded_bytes=u.offloaded_bytes,
+                )
+            )
+        now, before = self.engine.stats(), self._engine_mark
+        self._engine_mark = now
+        dw, dwt = now.bytes_written - before.bytes_written, now.write_busy_seconds - before.write_busy_seconds
+        dr, drt = now.bytes_read - before.bytes_read, now.read_busy_seconds - before.read_busy_seconds
+        return StepProfile(
+            units=tuple(rows),
+            write_bps=dw / dwt if dw and dwt > 0 else 0.0,
+            read_bps=dr / drt if dr and drt > 0 else 0.0,
+            io_wait_s=fwd.io_wait_s,
+            peak_resident_bytes=fwd.peak_resident_bytes,
+            fixed_bytes=fwd.fixed_bytes,
+        )
 
     def wait_inflight(self) -> None:
         """Block until every write in flight has finished."""
@@ -554,14 +662,20 @@ class Scheduler:
         can run its backward without the offloader.
         """
         with self._lock:
-            live = [e for u in self._units.values() for e in u.entries if e.handles and e.source is None]
+            live = [e for e in self._slotted if e.handles and e.source is None]
         for e in live:
             with self._lock:
                 if e.read is None and e.loaded is None and e.slot is not None:
                     self._issue_read(e)
                 read, data = e.read, e.loaded
             if read is not None:
-                read.wait()
+                try:
+                    read.wait()
+                except OffloadError:
+                    with self._lock:  # backward raises the error when it needs this tensor
+                        e.read, e.loaded = None, None
+                        self._uncount_resident(e)
+                    continue
             with self._lock:
                 e.source, e.kept, e.read, e.loaded = data, True, None, None
                 self._free_slot(e)

@@ -239,9 +239,13 @@ class SpillStore:
             try:
                 os.posix_fallocate(f.fd, f.size, grow)
             except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                if exc.errno in (errno.ENOSPC, errno.EFBIG) and grow > need:
+                    grow = need  # a nearly full drive may still hold this slot
+                    os.posix_fallocate(f.fd, f.size, grow)
+                elif exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
-                os.ftruncate(f.fd, f.size + grow)  # no fallocate here: ENOSPC shows at write time
+                else:
+                    os.ftruncate(f.fd, f.size + grow)  # no fallocate here: ENOSPC shows at write time
         f.give_back(f.size, grow)
         f.size += grow
 

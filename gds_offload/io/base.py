@@ -12,9 +12,11 @@ and a :class:`~gds_offload.store.Slot`, and returns an :class:`IOFuture`.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
@@ -34,8 +36,9 @@ Direction = Literal["write", "read"]
 
 @dataclass
 class EngineStats:
-    """Counters of one engine. ``*_busy_seconds`` is wall time with at least one transfer in flight,
-    so ``bytes / busy_seconds`` is the bandwidth the engine sustained while working."""
+    """Counters of one engine. ``*_busy_seconds`` is wall time with at least one transfer being
+    served (queueing excluded), so ``bytes / busy_seconds`` is the bandwidth the engine sustained
+    while working."""
 
     bytes_written: int = 0
     bytes_read: int = 0
@@ -147,6 +150,25 @@ class Engine(ABC):
     @abstractmethod
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]: ...
 
+    @contextlib.contextmanager
+    def _serving(self, kind: Direction) -> Iterator[None]:
+        """Wrap the part of a transfer that uses the drive (not its wait in a queue)."""
+        with self._lock:
+            if self._active[kind] == 0:
+                self._busy_since[kind] = time.perf_counter()
+            self._active[kind] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active[kind] -= 1
+                if self._active[kind] == 0:
+                    busy = time.perf_counter() - self._busy_since[kind]
+                    if kind == "write":
+                        self._stats.write_busy_seconds += busy
+                    else:
+                        self._stats.read_busy_seconds += busy
+
     def _throttle(self, nbytes: int) -> None:
         if self._limiter is not None:
             self._limiter.acquire(nbytes)
@@ -163,27 +185,12 @@ class Engine(ABC):
         assert buf.numel() <= slot.nbytes, f"{buf.numel()} bytes do not fit slot of {slot.nbytes}"
 
     def _track(self, kind: Direction, nbytes: int, submit: Callable[[], Future[int]]) -> IOFuture:
-        with self._lock:
-            if self._active[kind] == 0:
-                self._busy_since[kind] = time.perf_counter()
-            self._active[kind] += 1
-        try:
-            future = submit()
-        except BaseException:
-            self._finish(kind, nbytes, ok=False)
-            raise
+        future = submit()
         future.add_done_callback(lambda f: self._finish(kind, nbytes, ok=f.exception() is None))
         return IOFuture(future, nbytes)
 
     def _finish(self, kind: Direction, nbytes: int, *, ok: bool) -> None:
         with self._lock:
-            self._active[kind] -= 1
-            if self._active[kind] == 0:
-                busy = time.perf_counter() - self._busy_since[kind]
-                if kind == "write":
-                    self._stats.write_busy_seconds += busy
-                else:
-                    self._stats.read_busy_seconds += busy
             if not ok:
                 return
             if kind == "write":

@@ -74,8 +74,9 @@ class HostEngine(Engine):
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         def run() -> int:
             try:
-                self._throttle(src.numel())
-                self._copy(self._buffer(slot)[: src.numel()], src, ready)
+                with self._serving("write"):
+                    self._throttle(src.numel())
+                    self._copy(self._buffer(slot)[: src.numel()], src, ready)
                 return src.numel()
             except BaseException as exc:  # noqa: BLE001
                 raise io_error("write", src.numel(), slot, exc) from exc
@@ -85,10 +86,11 @@ class HostEngine(Engine):
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         def run() -> int:
             try:
-                self._throttle(dst.numel())
                 with self._buf_lock:
                     buf = self._buffers[(slot.file.id, slot.offset)]
-                self._copy(dst, buf[: dst.numel()], ready)
+                with self._serving("read"):
+                    self._throttle(dst.numel())
+                    self._copy(dst, buf[: dst.numel()], ready)
                 return dst.numel()
             except BaseException as exc:  # noqa: BLE001
                 raise io_error("read", dst.numel(), slot, exc) from exc

@@ -98,7 +98,8 @@ class KvikIOEngine(Engine):
             }
         )
         self.task_bytes = task_bytes
-        self._handles: dict[int, Any] = {}
+        # Keyed by the SpillFile itself (identity), not its id: ids restart at 0 in every store.
+        self._handles: dict[SpillFile, Any] = {}
         self._handles_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(issue_threads, thread_name_prefix=f"gds_offload-{mode}")
         self.uses_gds = mode == "gds"
@@ -117,7 +118,7 @@ class KvikIOEngine(Engine):
 
     def _handle(self, f: SpillFile) -> Any:
         with self._handles_lock:
-            h = self._handles.get(f.id)
+            h = self._handles.get(f)
             if h is None:
                 try:
                     with self._kvikio.defaults.set("compat_mode", self._compat):
@@ -129,7 +130,7 @@ class KvikIOEngine(Engine):
                             f"run gds-check --path {f.dir} for the reason, or use mode='compat'"
                         ) from exc
                     raise
-                self._handles[f.id] = h
+                self._handles[f] = h
             return h
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
@@ -144,24 +145,29 @@ class KvikIOEngine(Engine):
             if ready is not None:
                 ready.synchronize()
             handle = self._handle(slot.file)
-            # KvikIO takes host memory as a numpy array and device memory through
-            # __cuda_array_interface__; uint8 views sidestep dtypes it cannot map (bf16, fp8).
-            arr = buf.numpy() if buf.device.type == "cpu" else buf
-            done = 0
-            while done < total:
-                self._throttle(total - done)
-                part = arr[done:]
-                fut = (handle.pwrite if kind == "write" else handle.pread)(
-                    part, total - done, slot.offset + done, self.task_bytes
-                )
-                n = fut.get()
-                if n <= 0:
-                    raise OSError(f"KvikIO {kind} moved {n} bytes at offset {slot.offset + done}")
-                done += n
-                if done < total:
-                    self._count_retry()
-            return total
+            with self._serving(kind):
+                return self._move(kind, handle, buf, slot)
         except GDSUnavailableError:
             raise
         except BaseException as exc:  # noqa: BLE001 - re-raised with the file and offset
             raise io_error(kind, total, slot, exc) from exc
+
+    def _move(self, kind: Direction, handle: Any, buf: torch.Tensor, slot: Slot) -> int:
+        total = buf.numel()
+        # KvikIO takes host memory as a numpy array and device memory through
+        # __cuda_array_interface__; uint8 views sidestep dtypes it cannot map (bf16, fp8).
+        arr = buf.numpy() if buf.device.type == "cpu" else buf
+        done = 0
+        while done < total:
+            self._throttle(total - done)
+            part = arr[done:]
+            fut = (handle.pwrite if kind == "write" else handle.pread)(
+                part, total - done, slot.offset + done, self.task_bytes
+            )
+            n = fut.get()
+            if n <= 0:
+                raise OSError(f"KvikIO {kind} moved {n} bytes at offset {slot.offset + done}")
+            done += n
+            if done < total:
+                self._count_retry()
+        return total

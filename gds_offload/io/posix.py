@@ -81,11 +81,12 @@ class PosixEngine(Engine):
             try:
                 if ready is not None:
                     ready.synchronize()
-                self._throttle(n)
-                if kind == "write":
-                    self._write_chunk(buf, lo, n, slot)
-                else:
-                    self._read_chunk(buf, lo, n, slot)
+                with self._serving(kind):
+                    self._throttle(n)
+                    if kind == "write":
+                        self._write_chunk(buf, lo, n, slot)
+                    else:
+                        self._read_chunk(buf, lo, n, slot)
             except BaseException as exc:  # noqa: BLE001 - handed to the future
                 with lock:
                     if not result.done():

@@ -1,0 +1,224 @@
+"""A fault-injecting engine wrapper, for tests and chaos runs.
+
+:class:`FaultyEngine` wraps any :class:`~gds_offload.io.base.Engine` and makes
+chosen transfers fail the way drives and filesystems fail: ``ENOSPC`` or ``EIO``
+(the future raises :class:`~gds_offload.errors.OffloadError` with the OS error as
+its cause), a *short* transfer (only the first half of the bytes move and the future
+reports that count), or *corruption* (the bytes move, but wrong: a write stores
+flipped bytes, a read flips bytes after they arrive, and both report success).
+
+Faults are deterministic: a :class:`Fault` hits the ``nth`` transfer of its
+direction (1-based, counted from when the wrapper was installed) and the
+``count - 1`` after it (``count=0``: every one from ``nth`` on). Failed futures
+complete on the wrapper's own thread, like real I/O completions do.
+
+Install into a freshly attached offloader (before its first step)::
+
+    off = gds_offload.attach(model, path=tmp, min_bytes=0)
+    faulty = inject(off, "write:enospc:3")     # or Fault("write", "enospc", nth=3)
+
+Spec strings (``--faults`` of ``scripts/soak.py``): ``OP:KIND[:NTH[:COUNT]]`` joined
+by commas, e.g. ``"write:eio:5,read:corrupt:2:0"``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from gds_offload.errors import ConfigError
+from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
+
+if TYPE_CHECKING:
+    from gds_offload.offloader import Offloader
+    from gds_offload.store import Slot
+
+__all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
+
+Kind = Literal["enospc", "eio", "short", "corrupt"]
+_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt")
+_ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Make transfers ``nth`` .. ``nth + count - 1`` of direction ``op`` fail with ``kind``."""
+
+    op: Direction
+    kind: Kind
+    nth: int = 1
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.op not in ("write", "read"):
+            raise ConfigError(f"Fault op={self.op!r}; expected 'write' or 'read'")
+        if self.kind not in _KINDS:
+            raise ConfigError(f"Fault kind={self.kind!r}; expected one of {', '.join(_KINDS)}")
+        if self.nth < 1 or self.count < 0:
+            raise ConfigError(f"Fault nth={self.nth}, count={self.count}: need nth >= 1 and count >= 0")
+
+    def hits(self, op: Direction, n: int) -> bool:
+        return op == self.op and n >= self.nth and (self.count == 0 or n < self.nth + self.count)
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``"write:eio:5,read:corrupt:2:0"`` -> faults. Empty string -> no faults.
+
+    Raises:
+        ConfigError: a part is not ``OP:KIND[:NTH[:COUNT]]``.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        bits = part.split(":")
+        try:
+            if not 2 <= len(bits) <= 4:
+                raise ValueError(part)
+            nums = [int(b) for b in bits[2:]]
+        except ValueError:
+            raise ConfigError(f"fault {part!r} is not OP:KIND[:NTH[:COUNT]], e.g. 'write:eio:5'") from None
+        out.append(Fault(bits[0], bits[1], *nums))  # type: ignore[arg-type]
+    return out
+
+
+@dataclass
+class _Injected:
+    op: Direction
+    kind: Kind
+    n: int
+    offset: int
+
+
+class FaultyEngine(Engine):
+    """``inner`` with faults injected. Forwards everything else (release, close, stats) to ``inner``.
+
+    Args:
+        inner: the engine that does the real I/O.
+        faults: what to inject (see :class:`Fault`); more can be added with :meth:`add`.
+
+    Attributes:
+        injected: one record per fault injected (direction, kind, transfer number, slot offset).
+    """
+
+    def __init__(self, inner: Engine, faults: Sequence[Fault] = ()) -> None:
+        self.name = inner.name  # type: ignore[misc]  # report as the wrapped engine
+        super().__init__()
+        self.inner = inner
+        self.needs_files = inner.needs_files  # type: ignore[misc]
+        self.uses_gds = inner.uses_gds
+        self.description = f"{inner.description} (fault injection)"
+        self.faults: list[Fault] = list(faults)
+        self.injected: list[_Injected] = []
+        self._counts = {"write": 0, "read": 0}
+        self._fault_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gds_offload-faults")
+
+    def add(self, *faults: Fault) -> None:
+        """Inject more faults (counted from the transfers already done)."""
+        with self._fault_lock:
+            self.faults.extend(faults)
+
+    def counts(self) -> dict[str, int]:
+        """Transfers seen so far, by direction."""
+        with self._fault_lock:
+            return dict(self._counts)
+
+    def release(self, slot: Slot) -> None:
+        self.inner.release(slot)
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=True)
+        self.inner.close()
+
+    def stats(self) -> EngineStats:
+        """The wrapped engine's counters: the bytes that really moved."""
+        return self.inner.stats()
+
+    # ------------------------------------------------------------------ internals
+    def _pick(self, op: Direction, slot: Slot) -> Fault | None:
+        with self._fault_lock:
+            self._counts[op] += 1
+            n = self._counts[op]
+            for f in self.faults:
+                if f.hits(op, n):
+                    self.injected.append(_Injected(op, f.kind, n, slot.offset))
+                    return f
+        return None
+
+    def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        fault = self._pick("write", slot)
+        if fault is None:
+            return _chain(self.inner.write(src, slot, ready=ready))
+        if fault.kind in _ERRNO:
+            return self._fail("write", src.numel(), slot, fault.kind)
+        if fault.kind == "short":
+            return _chain(self.inner.write(src[: src.numel() // 2], slot, ready=ready))
+        bad = src.clone()  # corrupt: the drive stores other bytes, and says it worked
+        bad[:64] ^= 0x5A
+        return _chain(self.inner.write(bad, slot, ready=ready), keep=bad, report=src.numel())
+
+    def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        fault = self._pick("read", slot)
+        if fault is None:
+            return _chain(self.inner.read(dst, slot, ready=ready))
+        if fault.kind in _ERRNO:
+            return self._fail("read", dst.numel(), slot, fault.kind)
+        if fault.kind == "short":
+            return _chain(self.inner.read(dst[: dst.numel() // 2], slot, ready=ready))
+
+        def flip() -> None:
+            dst[:64] ^= 0x5A
+
+        return _chain(self.inner.read(dst, slot, ready=ready), after=flip)
+
+    def _fail(self, op: Direction, nbytes: int, slot: Slot, kind: str) -> Future[int]:
+        code = _ERRNO[kind]
+        exc = io_error(op, nbytes, slot, OSError(code, f"{os.strerror(code)} (injected by FaultyEngine)"))
+
+        def raise_it() -> int:
+            raise exc
+
+        return self._pool.submit(raise_it)
+
+
+def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None) -> Future[int]:
+    """A concurrent Future that mirrors ``inner`` (optionally running ``after`` first, reporting ``report`` bytes)."""
+    out: Future[int] = Future()
+
+    def done(f: IOFuture, _keep: Any = keep) -> None:  # _keep: the buffer lives until the transfer ends
+        try:
+            moved = f.wait(0)
+            if after is not None:
+                after()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(exc)
+            return
+        out.set_result(report if report is not None else moved)
+
+    inner.add_done_callback(done)
+    return out
+
+
+def inject(off: Offloader, *faults: Fault | str) -> FaultyEngine:
+    """Wrap ``off``'s engine in a :class:`FaultyEngine` (call before the first step, with no I/O in flight).
+
+    Args:
+        off: an attached offloader.
+        faults: :class:`Fault` objects or spec strings (``"write:enospc:3"``).
+
+    Returns:
+        The wrapper; ``off.detach()`` closes it and the wrapped engine.
+    """
+    parsed: list[Fault] = []
+    for f in faults:
+        parsed.extend(parse_faults(f) if isinstance(f, str) else [f])
+    engine = FaultyEngine(off.engine, parsed)
+    off.engine = engine
+    off.scheduler.engine = engine
+    return engine
