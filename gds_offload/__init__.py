@@ -7,25 +7,49 @@ Usage::
         loss = model(x).sum()
         loss.backward()
     print(off.stats())
-"""
-from gds_offload._version import __version__
-from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
-from gds_offload.offloader import Offloader, OffloadConfig, attach
-from gds_offload.policy import Budget, BudgetError, Plan
-from gds_offload.stats import LayerStats, OffloadStats
 
-__all__ = [
-    "__version__",
-    "attach",
-    "Budget",
-    "BudgetError",
-    "Plan",
-    "Offloader",
-    "OffloadConfig",
-    "OffloadStats",
-    "LayerStats",
-    "OffloadError",
-    "ConfigError",
-    "GDSUnavailableError",
-    "SpillSpaceError",
-]
+The names below are imported on first use, so ``gds_offload.check`` (``gds-check``)
+loads without torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gds_offload._version import __version__
+
+if TYPE_CHECKING:
+    from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
+    from gds_offload.offloader import Offloader, OffloadConfig, attach
+    from gds_offload.policy import Budget, BudgetError, Plan
+    from gds_offload.stats import LayerStats, OffloadStats
+
+_EXPORTS = {
+    "attach": "gds_offload.offloader",
+    "Offloader": "gds_offload.offloader",
+    "OffloadConfig": "gds_offload.offloader",
+    "Budget": "gds_offload.policy",
+    "BudgetError": "gds_offload.policy",
+    "Plan": "gds_offload.policy",
+    "OffloadStats": "gds_offload.stats",
+    "LayerStats": "gds_offload.stats",
+    "OffloadError": "gds_offload.errors",
+    "ConfigError": "gds_offload.errors",
+    "GDSUnavailableError": "gds_offload.errors",
+    "SpillSpaceError": "gds_offload.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gds_offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

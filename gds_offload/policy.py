@@ -132,6 +132,8 @@ class OffloadAll:
     keep_last: int = 1
     name: str = "all"
     prefetch_units: int = 1
+    #: Plans by bytes only: the scheduler need not read CUDA event times.
+    needs_timing: bool = False
     _first_kept: int = 1 << 62
     _units: int = 0
     _last: StepProfile | None = None

@@ -114,7 +114,8 @@ class _Handle:
         self.forward_id = -1
 
     def __del__(self) -> None:
-        self.scheduler._release(self)
+        if Scheduler is not None:  # None at interpreter shutdown: nothing left to free
+            self.scheduler._release(self)
 
 
 @dataclass
@@ -464,6 +465,8 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 read.wait()
+            except OffloadError:
+                pass  # raised below, with the layer and tensor it belongs to
             finally:
                 waited = time.perf_counter() - t0
                 with self._lock:
@@ -613,8 +616,11 @@ class Scheduler:
         self.policy.observe(profile)
 
     def _profile(self, fwd: _Forward, units: list[_Unit]) -> StepProfile:
-        # Caller holds the lock.
+        # Caller holds the lock. Reading CUDA event times synchronises the device once per
+        # step; policies that do not plan by time skip it.
         clock = fwd.clock
+        if clock.cuda and not getattr(self.policy, "needs_timing", True):
+            clock = _NO_TIMING
         end_backward = clock.mark()
         rows = []
         for k, u in enumerate(units):
@@ -686,6 +692,20 @@ class Scheduler:
 
     def phase(self) -> Phase:
         return self._phase
+
+
+class _NoTiming(Clock):
+    def __init__(self) -> None:
+        self.cuda = False
+
+    def mark(self) -> Any:
+        return None
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return 0.0
+
+
+_NO_TIMING = _NoTiming()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ import os
 import stat
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,17 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def default_spill_dir() -> Path:
-    """``$GDS_OFFLOAD_DIR``, else a private ``gds_offload-<uid>`` directory under the system temp dir."""
-    env = os.environ.get("GDS_OFFLOAD_DIR")
-    if env:
-        return Path(env)
-    return Path(tempfile.gettempdir()) / f"gds_offload-{os.getuid()}"
+def default_spill_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$GDS_OFFLOAD_DIR``, else a private ``gds_offload-<uid>`` directory under the system temp dir.
+
+    The one definition: ``gds-check`` and ``attach()`` both call it.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("GDS_OFFLOAD_DIR", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    tmp = env.get("TMPDIR", "").strip() or tempfile.gettempdir()
+    return Path(tmp) / f"gds_offload-{os.getuid()}"
 
 
 def prepare_dir(path: Path, *, create: bool) -> Path:
@@ -189,22 +195,21 @@ class SpillStore:
         with self._lock:
             if self._closed:
                 raise SpillSpaceError("the spill store is closed (the offloader was detached)")
-            order = sorted(self.files, key=lambda f: f.allocated)
-            for f in order:  # reuse freed space first, least-loaded directory first
-                off = f.take(need)
-                if off is not None:
-                    return Slot(f, off, need)
             problems = []
-            for f in order:
-                try:
-                    self._grow(f, need)
-                except OSError as exc:
-                    f.full = True
-                    problems.append(f"{f.dir}: {os.strerror(exc.errno or errno.EIO)}")
-                    continue
-                f.full = False
+            # Least-loaded directory first (striping): its freed space, else grow it; a
+            # directory that cannot grow passes the request on to the next one.
+            for f in sorted(self.files, key=lambda f: f.allocated):
                 off = f.take(need)
-                assert off is not None, "a freshly grown file must fit the request"
+                if off is None:
+                    try:
+                        self._grow(f, need)
+                    except OSError as exc:
+                        f.full = True
+                        problems.append(f"{f.dir}: {os.strerror(exc.errno or errno.EIO)}")
+                        continue
+                    f.full = False
+                    off = f.take(need)
+                    assert off is not None, "a freshly grown file must fit the request"
                 return Slot(f, off, need)
         raise SpillSpaceError(f"no room for {need} bytes in any spill directory ({'; '.join(problems)})")
 

@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# GPU smoke check for gds_offload: run on a machine with an NVIDIA GPU, collect results.
+#
+# Usage: scripts/gpu_check.sh [--dry-run] OUTDIR
+#
+# Parts, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 450 s, so
+# the whole run stays under 8 minutes on one H200):
+#   env      nvidia-smi and versions                       -> OUTDIR/nvidia-smi.txt
+#   install  missing packages from wheels in $GDS_WHEELS   -> OUTDIR/install.log
+#            (pip install --no-index --find-links "$GDS_WHEELS" ...; nothing is downloaded)
+#   pytest   the GPU-marked tests: pytest -m "gpu or gds"   -> OUTDIR/pytest.log, pytest.xml
+#   check    gds-check --json (with bandwidth)             -> OUTDIR/gds-check.json
+#   bench    python -m gds_offload.cli bench --device cuda --out OUTDIR/bench.json
+#            (an "unknown command" answer is recorded, not fatal)
+# and one summary, OUTDIR/gpu_check.json: nvidia-smi output, versions, and each part's
+# command, exit code and duration.
+#
+# --dry-run prints every command it would run and runs only the CPU-safe parts
+# (gds-check --json --no-bench, pytest --collect-only -m "gpu or gds"); it exits 0
+# when the summary was written.
+#
+# Environment: PYTHON (interpreter; default: .venv/bin/python if present, else python3),
+# GDS_WHEELS (folder of wheels for missing packages), GDS_TEST_DIR (an NVMe directory for
+# the gds-marked tests), GDS_CHECK_PATH (spill directory for gds-check; default its own).
+# The exit code is 0 unless a part failed (pytest failures, gds-check unusable or crashed,
+# bench crashed).
+set -uo pipefail
+
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY_RUN=1
+    shift
+fi
+if [ "$#" -ne 1 ]; then
+    echo "usage: $0 [--dry-run] OUTDIR" >&2
+    exit 64
+fi
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$1"
+OUTDIR=$(cd "$1" && pwd)
+PARTS="$OUTDIR/parts.tsv"
+: > "$PARTS"
+cd "$REPO" || exit 1
+
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ -x "$REPO/.venv/bin/python" ]; then
+    PY="$REPO/.venv/bin/python"
+else
+    PY=python3
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# cuFile writes cufile.log into the working directory unless cufile.json says otherwise.
+export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-$OUTDIR/cufile.log}"
+
+log() { echo "gpu_check: $*" >&2; }
+
+# Every part gets its own limit, and none runs past the whole script's deadline.
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-450} ))
+
+# run_part NAME LIMIT_S LOGFILE CMD... : run one part under `timeout` and record
+# "name<TAB>rc<TAB>milliseconds<TAB>status<TAB>log<TAB>command" in $PARTS. stdout and stderr
+# go to LOGFILE, or stdout to $PART_STDOUT when that is set.
+run_part() {
+    local name=$1 limit=$2 logfile=$3
+    shift 3
+    local shown left
+    shown=$(printf '%q ' "$@")
+    left=$(( DEADLINE - $(date +%s) ))
+    if [ "$left" -lt 5 ]; then
+        echo "+ (out of time, not run) ${shown% }" >&2
+        printf '%s\t\t\tskipped (out of time)\t\t%s\n' "$name" "${shown% }" >> "$PARTS"
+        return 124
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "+ ${shown% }" >&2
+    local start end rc
+    start=$(date +%s%N)
+    if [ -n "${PART_STDOUT:-}" ]; then
+        timeout --kill-after=5 "$limit" "$@" > "$PART_STDOUT" 2> "$logfile"
+    else
+        timeout --kill-after=5 "$limit" "$@" > "$logfile" 2>&1
+    fi
+    rc=$?
+    end=$(date +%s%N)
+    local status=ok
+    [ "$rc" -ne 0 ] && status=failed
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="timed out after ${limit}s"; fi
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( (end - start) / 1000000 ))" \
+        "$status" "$logfile" "${shown% }" >> "$PARTS"
+    return "$rc"
+}
+
+# skip_part NAME CMD... : print the command a dry run would have run, record it as skipped.
+skip_part() {
+    local name=$1
+    shift
+    local shown
+    shown=$(printf '%q ' "$@")
+    echo "+ (dry run, not run) ${shown% }" >&2
+    printf '%s\t\t\tskipped (dry run)\t\t%s\n' "$name" "${shown% }" >> "$PARTS"
+}
+
+# ---- env ------------------------------------------------------------------------------
+if command -v nvidia-smi > /dev/null; then
+    if [ "$DRY_RUN" = 1 ]; then
+        skip_part nvidia-smi nvidia-smi
+    else
+        run_part nvidia-smi 20 "$OUTDIR/nvidia-smi.txt" nvidia-smi
+        nvidia-smi --query-gpu=index,name,memory.total,driver_version,pci.bus_id --format=csv \
+            >> "$OUTDIR/nvidia-smi.txt" 2>&1
+    fi
+else
+    echo "nvidia-smi not found on PATH" > "$OUTDIR/nvidia-smi.txt"
+    printf 'nvidia-smi\t127\t0\tnot found\t%s\tnvidia-smi\n' "$OUTDIR/nvidia-smi.txt" >> "$PARTS"
+fi
+
+"$PY" - > "$OUTDIR/versions.json" 2>> "$OUTDIR/versions.err" <<'EOF'
+import importlib, json, platform, sys
+out = {"python": sys.version.split()[0], "platform": platform.platform()}
+for name in ("torch", "kvikio", "cupy", "numpy", "rich", "xxhash", "pytest", "gds_offload"):
+    try:
+        module = importlib.import_module(name)
+        version = getattr(module, "__version__", None)
+        if version is None:
+            from importlib import metadata
+            version = metadata.version(name)
+        out[name] = str(version)
+    except Exception as exc:  # report, never fail
+        out[name] = None
+        out[name + "_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    import torch
+    out["torch_cuda"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if out["cuda_available"] else []
+except Exception as exc:
+    out["torch_cuda_error"] = str(exc)
+print(json.dumps(out))
+EOF
+
+# ---- install --------------------------------------------------------------------------
+# Packages this project needs, as "import-name:distribution". kvikio/cupy follow torch's CUDA major.
+CUDA_MAJOR=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null || echo 12)
+NEEDED="kvikio:kvikio-cu${CUDA_MAJOR} cupy:cupy-cuda${CUDA_MAJOR}x rich:rich xxhash:xxhash numpy:numpy pytest:pytest"
+MISSING=()
+for pair in $NEEDED; do
+    "$PY" -c "import ${pair%%:*}" > /dev/null 2>&1 || MISSING+=("${pair#*:}")
+done
+if [ "${#MISSING[@]}" -eq 0 ]; then
+    printf 'install\t0\t0\tnothing missing\t\t\n' >> "$PARTS"
+elif [ -z "${GDS_WHEELS:-}" ]; then
+    log "missing ${MISSING[*]} and GDS_WHEELS is not set; their tests will skip"
+    printf 'install\t\t0\tmissing %s; GDS_WHEELS not set\t\t\n' "${MISSING[*]}" >> "$PARTS"
+elif [ "$DRY_RUN" = 1 ]; then
+    skip_part install "$PY" -m pip install --no-index --find-links "$GDS_WHEELS" "${MISSING[@]}"
+else
+    run_part install 60 "$OUTDIR/install.log" \
+        "$PY" -m pip install -q --no-index --find-links "$GDS_WHEELS" "${MISSING[@]}"
+fi
+
+# ---- pytest (GPU-marked tests) -----------------------------------------------------------
+if [ "$DRY_RUN" = 1 ]; then
+    run_part pytest-collect 120 "$OUTDIR/pytest-collect.log" \
+        "$PY" -m pytest --collect-only -q -m "gpu or gds" -p no:cacheprovider
+    skip_part pytest "$PY" -m pytest -m "gpu or gds" -q -p no:cacheprovider --junitxml "$OUTDIR/pytest.xml"
+else
+    run_part pytest 150 "$OUTDIR/pytest.log" \
+        "$PY" -m pytest -m "gpu or gds" -q -p no:cacheprovider --junitxml "$OUTDIR/pytest.xml"
+fi
+
+# ---- gds-check -----------------------------------------------------------------------
+CHECK_ARGS=(--json)
+[ -n "${GDS_CHECK_PATH:-}" ] && CHECK_ARGS+=(--path "$GDS_CHECK_PATH")
+if [ "$DRY_RUN" = 1 ]; then
+    skip_part gds-check "$PY" -m gds_offload.check.cli "${CHECK_ARGS[@]}"
+    CHECK_ARGS+=(--no-bench)
+    CHECK_NAME=gds-check-no-bench
+else
+    CHECK_NAME=gds-check
+fi
+# stdout is the JSON document; stderr (progress bar, warnings) goes to gds-check.log.
+PART_STDOUT="$OUTDIR/gds-check.json" run_part "$CHECK_NAME" 60 "$OUTDIR/gds-check.log" \
+    "$PY" -m gds_offload.check.cli "${CHECK_ARGS[@]}"
+"$PY" - "$OUTDIR/gds-check.json" "$OUTDIR/gds-check.log" <<'EOF'
+import json, sys
+try:
+    json.load(open(sys.argv[1]))
+except (OSError, ValueError):  # keep the file valid JSON, with what went wrong
+    log = open(sys.argv[2], encoding="utf-8", errors="replace").read()[-4000:]
+    out = open(sys.argv[1], encoding="utf-8", errors="replace").read()[-4000:]
+    json.dump({"error": "gds-check printed no JSON document", "stdout": out, "stderr": log},
+              open(sys.argv[1], "w"), indent=2)
+EOF
+
+# ---- training benchmark --------------------------------------------------------------------
+BENCH=("$PY" -m gds_offload.cli bench --device cuda --out "$OUTDIR/bench.json")
+if [ "$DRY_RUN" = 1 ]; then
+    skip_part bench "${BENCH[@]}"
+else
+    run_part bench 150 "$OUTDIR/bench.log" "${BENCH[@]}"
+    if grep -qiE "invalid choice|unknown command" "$OUTDIR/bench.log"; then
+        # The subcommand is not in this version: record it and go on.
+        sed -i -E 's/^(bench\t[0-9]+\t[^\t]*\t)[^\t]*/\1unknown command/' "$PARTS"
+    fi
+fi
+
+# ---- summary ---------------------------------------------------------------------------
+"$PY" - "$OUTDIR" "$PARTS" "$DRY_RUN" <<'EOF'
+import json, os, sys, time
+outdir, parts_file, dry_run = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+def read(name):
+    try:
+        return open(os.path.join(outdir, name), encoding="utf-8", errors="replace").read()
+    except OSError:
+        return None
+parts = []
+for line in open(parts_file):
+    name, rc, seconds, status, logfile, command = (line.rstrip("\n").split("\t") + [""] * 6)[:6]
+    parts.append({
+        "name": name,
+        "command": command,
+        "exit_code": int(rc) if rc.strip() else None,
+        "duration_s": round(int(seconds) / 1000, 2) if seconds.strip() else None,
+        "status": status,
+        "log": logfile or None,
+    })
+try:
+    versions = json.loads(read("versions.json") or "{}")
+except ValueError:
+    versions = {"error": read("versions.err")}
+verdicts = {0: "gds", 1: "compat", 2: "unusable"}
+for p in parts:  # gds-check's exit code is its verdict
+    if p["name"].startswith("gds-check") and p["exit_code"] in verdicts:
+        p["status"] = "verdict " + verdicts[p["exit_code"]]
+# pytest: 5 = no test selected (no GPU-marked test applies); gds-check: 0 gds, 1 compat;
+# nvidia-smi is information only; bench may be an unknown command in this version.
+acceptable = {"pytest": {0, 5}, "pytest-collect": {0, 5}, "gds-check": {0, 1}, "gds-check-no-bench": {0, 1}}
+failed = [p["name"] for p in parts
+          if p["exit_code"] is not None and p["name"] != "nvidia-smi" and p["status"] != "unknown command"
+          and p["exit_code"] not in acceptable.get(p["name"], {0})]
+summary = {
+    "schema": "gpu_check/1",
+    "dry_run": dry_run,
+    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "nvidia_smi": read("nvidia-smi.txt"),
+    "versions": versions,
+    "parts": parts,
+    "failed": failed,
+    "gds_check_verdict": (json.loads(read("gds-check.json") or "{}") or {}).get("verdict"),
+}
+with open(os.path.join(outdir, "gpu_check.json"), "w") as fh:
+    json.dump(summary, fh, indent=2)
+print(json.dumps({"failed": failed, "parts": {p["name"]: p["status"] for p in parts}}))
+sys.exit(1 if failed and not dry_run else 0)
+EOF
+rc=$?
+rm -f "$PARTS"
+exit "$rc"
