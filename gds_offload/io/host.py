@@ -87,7 +87,9 @@ class HostEngine(Engine):
         def run() -> int:
             try:
                 with self._buf_lock:
-                    buf = self._buffers[(slot.file.id, slot.offset)]
+                    buf = self._buffers.get((slot.file.id, slot.offset))
+                if buf is None:
+                    raise KeyError(f"no buffer at offset {slot.offset}: never written, or already released")
                 with self._serving("read"):
                     self._throttle(dst.numel())
                     self._copy(dst, buf[: dst.numel()], ready)

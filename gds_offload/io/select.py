@@ -33,7 +33,7 @@ class Choice:
 
 def validate_mode(mode: object) -> Mode:
     if mode not in MODES:
-        hint = difflib.get_close_matches(str(mode), MODES, n=1)
+        hint = difflib.get_close_matches(str(mode).lower(), MODES, n=1)
         raise ConfigError(
             f"mode={mode!r} is not an engine; expected one of {', '.join(MODES)}"
             + (f" (did you mean {hint[0]!r}?)" if hint else "")

@@ -1,0 +1,441 @@
+"""Storage-engine bandwidth, next to the drive's raw O_DIRECT bandwidth measured in the same run.
+
+:func:`raw_direct_bandwidth` asks ``fio`` (or ``dd``) what the drive does with O_DIRECT;
+:func:`measure_engine` pushes tensors through an engine into a :class:`~gds_offload.store.SpillStore`
+the way the scheduler does (byte views, every write submitted before any is waited on,
+then every read), and checks the bytes that come back. :func:`run_bench` runs both over
+engines, tensor sizes and thread counts; ``gds-offload bench-io`` and ``scripts/bench_io.py``
+render its :class:`IOBenchReport`.
+
+Page cache: a bandwidth read from memory is not a drive's. :func:`measure_engine` asks
+the kernel (``mincore``) how many bytes of the spill file sit in the page cache after the
+write phase and after the read phase, and reports them; before the read phase it flushes
+and drops the file's cached pages so reads come from the drive.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gds_offload.errors import ConfigError
+
+__all__ = [
+    "FIO_BLOCK_BYTES",
+    "FIO_IODEPTH",
+    "IOBenchReport",
+    "machine_info",
+    "measure_engine",
+    "page_cache_bytes",
+    "raw_direct_bandwidth",
+    "run_bench",
+]
+
+#: fio's request size and queue depth for the raw figure: sequential 1 MiB requests, 16 in
+#: flight, one job, libaio. That saturates NVMe drives; on this project's 2-CPU virtio test
+#: machine QD16, QD32 and QD64 were within run-to-run noise (1.8-2.6 GB/s write, 1.5-2.4 read),
+#: and 16 requests is what the engines keep in flight (posix: 8 threads; KvikIO: 16 threads).
+FIO_BLOCK_BYTES = 1 << 20
+FIO_IODEPTH = 16
+#: ``dd``'s block size when fio is missing (dd has one request in flight; big blocks help).
+DD_BLOCK_BYTES = 64 << 20
+#: Distinct source tensors are cycled through up to this many bytes (keeps memory bounded).
+SOURCE_POOL_BYTES = 256 << 20
+#: Tensors compared with ``torch.equal`` after each read phase.
+VERIFY_SAMPLES = 8
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------------
+# the machine
+# ---------------------------------------------------------------------------------------
+def _mount_of(path: Path) -> tuple[str, str, str]:
+    """(device, mount point, filesystem type) of the mount holding ``path``."""
+    target = str(Path(path).resolve())
+    best = ("unknown", "", "unknown")
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1]
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[1]):
+                    best = (parts[0], mnt, parts[2])
+    except OSError:
+        pass
+    return best
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def machine_info(path: Path) -> dict[str, Any]:
+    """CPU model, memory, kernel, and the filesystem and block device under ``path``. Never raises."""
+    cpu = "unknown"
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_gib = None
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    device, mount, fstype = _mount_of(path)
+    name = Path(device).name
+    sys_block = f"/sys/class/block/{name}"
+    model = _read(f"{sys_block}/device/model") or _read(f"{sys_block}/../device/model")
+    rotational = _read(f"{sys_block}/queue/rotational")
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "kernel": platform.release(),
+        "path": str(path),
+        "filesystem": fstype,
+        "mount": mount,
+        "device": device,
+        "device_model": model or "unknown",
+        "rotational": None if rotational is None else rotational == "1",
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# the drive's raw O_DIRECT bandwidth
+# ---------------------------------------------------------------------------------------
+def _fio_pass(fio: str, file: Path, rw: str, total_bytes: int) -> tuple[float, list[str]]:
+    cmd = [
+        fio, f"--name=raw-{rw}", f"--filename={file}", f"--rw={rw}", f"--bs={FIO_BLOCK_BYTES}",
+        "--direct=1", "--ioengine=libaio", f"--iodepth={FIO_IODEPTH}", "--numjobs=1",
+        f"--size={total_bytes}", "--output-format=json",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    report = json.loads(out[out.index("{") :])  # fio may print notes before the JSON
+    job = report["jobs"][0]["write" if rw == "write" else "read"]
+    return job["io_bytes"] / (job["runtime"] / 1000) / 1e9, cmd
+
+
+def _dd_pass(dd: str, file: Path, rw: str, total_bytes: int) -> tuple[float, list[str]]:
+    count = max(1, total_bytes // DD_BLOCK_BYTES)
+    bs = f"bs={DD_BLOCK_BYTES}"
+    if rw == "write":
+        cmd = [dd, "if=/dev/zero", f"of={file}", bs, f"count={count}", "oflag=direct", "status=none"]
+    else:
+        cmd = [dd, f"if={file}", "of=/dev/null", bs, f"count={count}", "iflag=direct", "status=none"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True, timeout=600)
+    return count * DD_BLOCK_BYTES / (time.perf_counter() - t0) / 1e9, cmd
+
+
+def raw_direct_bandwidth(path: Path, total_bytes: int) -> dict[str, Any]:
+    """The drive's sequential O_DIRECT write, then read, bandwidth under ``path``.
+
+    fio when installed (libaio, :data:`FIO_IODEPTH` requests of :data:`FIO_BLOCK_BYTES`
+    in flight, one job, a fresh preallocated file like a new spill file), else ``dd``
+    with ``oflag=direct``/``iflag=direct`` and 64 MiB blocks. The file is deleted after.
+
+    Args:
+        path: a directory on the drive.
+        total_bytes: bytes written and then read (rounded up to 1 MiB).
+
+    Returns:
+        ``{"tool", "write_gbps", "read_gbps", "command"}`` (GB/s = 1e9 bytes per second).
+
+    Raises:
+        ConfigError: neither fio nor dd is installed.
+        subprocess.CalledProcessError: the tool failed (its stderr says why).
+    """
+    total_bytes = -(-max(total_bytes, FIO_BLOCK_BYTES) // FIO_BLOCK_BYTES) * FIO_BLOCK_BYTES
+    fio, dd = shutil.which("fio"), shutil.which("dd")
+    if fio:
+        tool, run_pass = "fio", lambda f, rw: _fio_pass(fio, f, rw, total_bytes)
+    elif dd:
+        tool, run_pass = "dd", lambda f, rw: _dd_pass(dd, f, rw, total_bytes)
+    else:
+        raise ConfigError("raw bandwidth needs fio or dd on PATH; install fio (apt-get install fio)")
+    fd, name = tempfile.mkstemp(prefix=".gds_offload-raw-", dir=path)
+    os.close(fd)
+    file = Path(name)
+    try:
+        file.unlink()  # fio lays the file out itself (preallocated), as the spill store does
+        write_gbps, wcmd = run_pass(file, "write")
+        read_gbps, rcmd = run_pass(file, "read")
+    finally:
+        file.unlink(missing_ok=True)
+    command = " && ".join(shlex.join(c) for c in (wcmd, rcmd))
+    return {"tool": tool, "write_gbps": write_gbps, "read_gbps": read_gbps, "command": command}
+
+
+# ---------------------------------------------------------------------------------------
+# page cache residency
+# ---------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def page_cache_bytes(fd: int, size: int) -> int:
+    """Bytes of the file behind ``fd`` (its first ``size`` bytes) resident in the page cache.
+
+    Maps the file (nothing is touched) and asks ``mincore``; works on O_DIRECT descriptors
+    and unnamed files, and counts pages cached through any descriptor of the same file.
+    """
+    if size <= 0:
+        return 0
+    import numpy as np
+
+    addr = _libc.mmap(None, size, 0x1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of fd {fd} for mincore failed: {os.strerror(err)}")
+    try:
+        pages = (size + _PAGE - 1) // _PAGE
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(addr, size, vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore failed: {os.strerror(err)}")
+        return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _cached(files: list[Any]) -> int:
+    return sum(page_cache_bytes(f.fd, f.size) for f in files if f.fd >= 0)
+
+
+def _drop_cache(files: list[Any]) -> None:
+    for f in files:
+        if f.fd >= 0:
+            os.fsync(f.fd)
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+# ---------------------------------------------------------------------------------------
+# one engine
+# ---------------------------------------------------------------------------------------
+def _make(mode: str, num_threads: int | None, chunk_bytes: int | None) -> Any:
+    from gds_offload.io import make_engine
+
+    if chunk_bytes is None:
+        return make_engine(mode, num_threads=num_threads)  # type: ignore[arg-type]
+    if mode == "posix":
+        from gds_offload.io.posix import DEFAULT_THREADS, PosixEngine
+
+        return PosixEngine(num_threads=num_threads or DEFAULT_THREADS, chunk_bytes=chunk_bytes)
+    if mode in ("compat", "gds"):
+        from gds_offload.io.kvikio_engine import DEFAULT_THREADS as KVIK_THREADS
+        from gds_offload.io.kvikio_engine import KvikIOEngine
+
+        return KvikIOEngine(mode, num_threads=num_threads or KVIK_THREADS, task_bytes=chunk_bytes)  # type: ignore[arg-type]
+    return make_engine(mode, num_threads=num_threads)  # type: ignore[arg-type]
+
+
+def _engine_threads(engine: Any) -> int | None:
+    if engine.name == "posix":
+        return engine.num_threads
+    if engine.name in ("compat", "gds"):
+        import kvikio.defaults
+
+        return int(kvikio.defaults.get("num_threads"))
+    return None
+
+
+def measure_engine(
+    mode: str,
+    path: Path,
+    total_bytes: int,
+    tensor_bytes: int,
+    repeats: int = 1,
+    *,
+    num_threads: int | None = None,
+    chunk_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Write ``total_bytes`` of ``tensor_bytes`` tensors through engine ``mode``, then read them back.
+
+    Each repeat uses a fresh :class:`~gds_offload.store.SpillStore` in ``path`` with every slot
+    allocated before the clock starts (as after a training run's first step). The write phase
+    submits every write and then waits for all; the read phase likewise, into pre-faulted
+    destination tensors. GB/s is bytes / wall time of the phase (1e9 bytes per second); with
+    several repeats the median is reported. Sources are cycled from a pool of distinct random
+    tensors of at most :data:`SOURCE_POOL_BYTES`.
+
+    Args:
+        mode: ``posix``, ``compat``, ``gds`` or ``host``.
+        path: spill directory.
+        total_bytes: bytes per phase (rounded down to whole tensors; at least one tensor).
+        tensor_bytes: bytes per tensor.
+        repeats: write+read rounds.
+        num_threads: engine threads (``None``: the engine's default).
+        chunk_bytes: posix chunk / KvikIO task size (``None``: the engine's default).
+
+    Returns:
+        ``{"engine", "description", "threads", "tensor_bytes", "total_bytes", "write_gbps",
+        "read_gbps", "write_gbps_all", "read_gbps_all", "page_cache_after_write_bytes",
+        "page_cache_after_read_bytes", "verified"}``. The page-cache figures are the spill
+        files' bytes resident in the page cache after each phase (0 means true direct I/O).
+
+    Raises:
+        ConfigError: bad sizes, or the engine cannot run here.
+        OffloadError: a transfer failed or the bytes read back differ.
+    """
+    import torch
+
+    from gds_offload.errors import OffloadError
+    from gds_offload.store import SpillStore
+
+    if tensor_bytes <= 0 or repeats < 1:
+        raise ConfigError(f"need tensor_bytes > 0 and repeats >= 1, got tensor_bytes={tensor_bytes}, repeats={repeats}")
+    count = max(1, total_bytes // tensor_bytes)
+    total = count * tensor_bytes
+    gen = torch.Generator().manual_seed(0)
+    pool = min(count, max(1, SOURCE_POOL_BYTES // tensor_bytes))
+    sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen) for _ in range(pool)]
+    dsts = [torch.zeros(tensor_bytes, dtype=torch.uint8) for _ in range(count)]  # pre-faulted
+    engine = _make(mode, num_threads, chunk_bytes)
+    writes: list[float] = []
+    reads: list[float] = []
+    cached_w = cached_r = 0
+    try:
+        for _ in range(repeats):
+            store = SpillStore([Path(path)] if engine.needs_files else [])
+            try:
+                slots = [store.allocate(tensor_bytes) for _ in range(count)]
+                _drop_cache(store.files)
+                t0 = time.perf_counter()
+                futures = [engine.write(sources[i % pool], slots[i]) for i in range(count)]
+                for f in futures:
+                    f.wait()
+                writes.append(total / (time.perf_counter() - t0) / 1e9)
+                cached_w = max(cached_w, _cached(store.files))
+                _drop_cache(store.files)
+                for d in dsts[:: max(1, count // VERIFY_SAMPLES)]:
+                    d.zero_()
+                t0 = time.perf_counter()
+                futures = [engine.read(dsts[i], slots[i]) for i in range(count)]
+                for f in futures:
+                    f.wait()
+                reads.append(total / (time.perf_counter() - t0) / 1e9)
+                cached_r = max(cached_r, _cached(store.files))
+                for i in range(0, count, max(1, count // VERIFY_SAMPLES)):
+                    if not torch.equal(dsts[i], sources[i % pool]):
+                        raise OffloadError(f"{mode}: tensor {i} of {count} read back differs from what was written")
+            finally:
+                store.close()
+        return {
+            "engine": engine.name,
+            "description": engine.description,
+            "threads": _engine_threads(engine),
+            "chunk_bytes": getattr(engine, "chunk_bytes", None) or getattr(engine, "task_bytes", None),
+            "tensor_bytes": tensor_bytes,
+            "total_bytes": total,
+            "write_gbps": statistics.median(writes),
+            "read_gbps": statistics.median(reads),
+            "write_gbps_all": writes,
+            "read_gbps_all": reads,
+            "page_cache_after_write_bytes": cached_w,
+            "page_cache_after_read_bytes": cached_r,
+            "verified": True,
+        }
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------
+# the whole benchmark
+# ---------------------------------------------------------------------------------------
+@dataclass
+class IOBenchReport:
+    """What ``gds-offload bench-io`` measured: the machine, the raw drive, and one row per run."""
+
+    machine: dict[str, Any]
+    raw: dict[str, Any] | None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    #: Engines that could not run here, with the reason.
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_bench(
+    path: Path,
+    *,
+    total_bytes: int,
+    tensor_sizes: list[int],
+    engines: list[str],
+    threads: list[int] | None = None,
+    chunk_sizes: list[int] | None = None,
+    repeats: int = 1,
+    raw: bool = True,
+    progress: Any = None,
+) -> IOBenchReport:
+    """Measure the raw drive, every engine x thread count x chunk size x tensor size, then the raw drive again.
+
+    ``threads``/``chunk_sizes`` (``None``: engine defaults) apply to ``posix`` and ``compat``/``gds``;
+    ``host`` runs once per tensor size. Each row gets ``write_ratio``/``read_ratio`` to the raw
+    figure (the mean of the raw runs before and after, both kept in ``raw["samples"]``). ``progress(str)`` is called before each measurement (for a CLI status line).
+    Engines that cannot run here (no KvikIO) land in ``skipped`` with the reason.
+    """
+    from gds_offload.io import validate_mode
+
+    for e in engines:
+        if validate_mode(e) == "auto":
+            raise ConfigError("bench-io measures named engines; pass posix, compat, gds or host, not auto")
+    path = Path(path)
+    report = IOBenchReport(machine=machine_info(path), raw=None)
+    if raw:
+        if progress:
+            progress(f"raw O_DIRECT bandwidth of {path} (before)")
+        before = raw_direct_bandwidth(path, total_bytes)
+    for mode in engines:
+        per_engine = [(None, None)] if mode == "host" else [(t, c) for t in (threads or [None]) for c in (chunk_sizes or [None])]
+        for t, c in per_engine:
+            for size in tensor_sizes:
+                if progress:
+                    progress(f"{mode} threads={t or 'default'} chunk={c or 'default'} tensors of {size} bytes")
+                try:
+                    row = measure_engine(mode, path, total_bytes, size, repeats, num_threads=t, chunk_bytes=c)
+                except ConfigError as exc:
+                    report.skipped[mode] = str(exc)
+                    break
+                report.rows.append(row)
+            if mode in report.skipped:
+                break
+    if raw:
+        if progress:
+            progress(f"raw O_DIRECT bandwidth of {path} (after)")
+        after = raw_direct_bandwidth(path, total_bytes)
+        report.raw = _mean_raw(before, after)
+        for row in report.rows:
+            row["write_ratio"] = row["write_gbps"] / report.raw["write_gbps"]
+            row["read_ratio"] = row["read_gbps"] / report.raw["read_gbps"]
+    return report
+
+
+def _mean_raw(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The raw figure the ratios use: the mean of the runs before and after the engines
+    (a shared or virtual disk drifts over a minute; one sample would skew every ratio)."""
+    return before | {
+        "write_gbps": (before["write_gbps"] + after["write_gbps"]) / 2,
+        "read_gbps": (before["read_gbps"] + after["read_gbps"]) / 2,
+        "samples": [{k: r[k] for k in ("write_gbps", "read_gbps")} for r in (before, after)],
+    }

@@ -1,0 +1,131 @@
+"""``gds-offload bench-io``: engine bandwidth next to the drive's raw O_DIRECT bandwidth.
+
+Probes with :func:`gds_offload.bench.io_bench.run_bench`, then renders its report as a
+rich table (or JSON). Example::
+
+    gds-offload bench-io --path /mnt/nvme/spill --size 2GiB --tensor-sizes 1MiB,64MiB
+    gds-offload bench-io --engines posix,compat --threads 1,2,4,8 --json results/io.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DIRECT bandwidth"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", type=Path, default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
+    p.add_argument("--size", default="2GiB", help="bytes written then read per measurement (default: 2GiB)")
+    p.add_argument("--tensor-sizes", default="1MiB,64MiB", help="comma-separated tensor sizes (default: 1MiB,64MiB)")
+    p.add_argument("--engines", default="posix,compat,host", help="comma-separated engines: posix, compat, gds, host (default: posix,compat,host)")
+    p.add_argument("--threads", default="", help="comma-separated engine thread counts to sweep, e.g. 1,2,4,8 (default: each engine's default)")
+    p.add_argument("--chunk-sizes", default="", help="comma-separated posix chunk / KvikIO task sizes to sweep, e.g. 4MiB,8MiB (default: engine defaults)")
+    p.add_argument("--repeats", type=int, default=1, help="write+read rounds per measurement; the median is shown (default: 1)")
+    p.add_argument("--no-raw", action="store_true", help="skip the fio/dd raw measurement (no ratios)")
+    p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': print JSON instead of the table)")
+
+
+def _list(text: str, parse: Any, name: str) -> list[Any]:
+    return [parse(part.strip(), name=name) for part in text.split(",") if part.strip()]
+
+
+def _int(text: str, *, name: str) -> int:
+    from gds_offload.errors import ConfigError
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer; pass e.g. --threads 1,2,4,8") from None
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be >= 1")
+    return value
+
+
+def render(report: Any) -> None:
+    """Print ``report`` (an :class:`~gds_offload.bench.io_bench.IOBenchReport`) as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from gds_offload.units import format_bytes
+
+    console = Console()
+    m = report.machine
+    console.print(
+        f"[bold]machine[/]: {m['cpu']} ({m['cpus']} CPUs, {m['memory_gib']} GiB), kernel {m['kernel']}\n"
+        f"[bold]path[/]: {m['path']} on {m['filesystem']} ({m['device']}, model {m['device_model']}, "
+        f"rotational={m['rotational']})"
+    )
+    raw = report.raw
+    if raw:
+        samples = ", ".join(f"{r['write_gbps']:.2f}/{r['read_gbps']:.2f}" for r in raw.get("samples", []))
+        console.print(
+            f"[bold]raw O_DIRECT[/] ({raw['tool']}): write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s"
+            + (f" (mean of runs before/after the engines, write/read: {samples})" if samples else "")
+        )
+        console.print(f"[dim]{raw['command']}[/]")
+    table = Table(title="bench-io: GB/s (1e9 B/s), ratio to raw O_DIRECT, bytes left in page cache")
+    for col in ("engine", "thr", "chunk", "tensor", "write", "read", "w/raw", "r/raw", "cached w/r"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for r in report.rows:
+        ratio = (f"{r['write_ratio']:.2f}", f"{r['read_ratio']:.2f}") if "write_ratio" in r else ("-", "-")
+        cw, cr = r["page_cache_after_write_bytes"], r["page_cache_after_read_bytes"]
+        table.add_row(
+            r["engine"],
+            str(r["threads"] or "-"),
+            format_bytes(r["chunk_bytes"]) if r["chunk_bytes"] else "-",
+            format_bytes(r["tensor_bytes"]),
+            f"{r['write_gbps']:.2f}",
+            f"{r['read_gbps']:.2f}",
+            *ratio,
+            "none" if not (cw or cr) else f"{format_bytes(cw)}/{format_bytes(cr)}",
+        )
+    console.print(table)
+    for name, why in report.skipped.items():
+        console.print(f"[yellow]skipped {name}[/]: {why}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gds_offload.bench.io_bench import run_bench
+    from gds_offload.errors import ConfigError
+    from gds_offload.store import default_spill_dir, prepare_dir
+    from gds_offload.units import parse_bytes
+
+    err = Console(stderr=True)
+    try:
+        path = prepare_dir(args.path or default_spill_dir(), create=args.path is None)
+        total = parse_bytes(args.size, name="--size")
+        sizes = _list(args.tensor_sizes, parse_bytes, "--tensor-sizes")
+        engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+        threads = _list(args.threads, _int, "--threads") or None
+        chunks = _list(args.chunk_sizes, parse_bytes, "--chunk-sizes") or None
+        if not sizes or not engines or total <= 0:
+            raise ConfigError("--size, --tensor-sizes and --engines must be non-empty and positive")
+        report = run_bench(
+            path,
+            total_bytes=total,
+            tensor_sizes=sizes,
+            engines=engines,
+            threads=threads,
+            chunk_sizes=chunks,
+            repeats=args.repeats,
+            raw=not args.no_raw,
+            progress=lambda msg: err.print(f"[dim]measuring {msg}[/]"),
+        )
+    except ConfigError as exc:
+        err.print(f"[red]error[/]: {exc}")
+        return 2
+    if args.json and args.json != "-":
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2))
+    if args.json == "-":
+        json.dump(report.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        render(report)
+    return 0
