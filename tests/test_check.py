@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gds_offload.check import probes
+from gds_offload.check import _common, probes
 from gds_offload.check.cli import main as check_main
 from gds_offload.check.probes import (
     BlockDevice,
@@ -480,7 +480,7 @@ def test_unreadable_files_are_reported_as_needing_root(needs_o_direct, tmp_path,
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(probes, "open", guarded, raising=False)
+    monkeypatch.setattr(_common, "open", guarded, raising=False)  # the module whose Reader opens files
     report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
     assert report.unreadable == (str(root / "proc/driver/nvidia-fs/stats"),)
     check = [c for c in decide(report).checks if c.name == "nvidia-fs"][0]

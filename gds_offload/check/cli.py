@@ -12,17 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
-from gds_offload.check.probes import (
-    CheckResult,
-    NodeReport,
-    Verdict,
-    collect_node,
-    decide,
-    default_spill_dir,
-    report_checks,
-    worst_verdict,
-)
-from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, render
+from gds_offload.check.collect import NodeReport, collect_node
+from gds_offload.check.findings import CheckResult
+from gds_offload.check.paths import default_spill_dir
+from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
+from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 
@@ -176,7 +170,8 @@ def _bandwidth_check(report: NodeReport, results: list[dict[str, dict[str, Any]]
                      skipped: list[str], size_bytes: int) -> CheckResult:
     parts = []
     for probe, rates in zip(report.paths, results):
-        shown = [f"{e} W {_num(r['write_gbps'])} / R {_num(r['read_gbps'])}" for e, r in rates.items() if "error" not in r]
+        shown = [f"{e} W {format_gbps(r['write_gbps'])} / R {format_gbps(r['read_gbps'])}"
+                 for e, r in rates.items() if "error" not in r]
         if shown:
             prefix = f"{probe.path}: " if len(report.paths) > 1 else ""
             parts.append(prefix + "; ".join(shown) + " GB/s")
@@ -188,10 +183,6 @@ def _bandwidth_check(report: NodeReport, results: list[dict[str, dict[str, Any]]
         return CheckResult("bandwidth", "warn", detail + "; failed: " + "; ".join(errors),
                            "see the error; gds-offload bench-io reproduces one engine")
     return CheckResult("bandwidth", "ok" if parts else "skip", detail)
-
-
-def _num(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,12 +10,19 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from gds_offload.check.probes import CheckResult, NodeReport, PathProbe, Verdict
+from gds_offload.check.collect import NodeReport
+from gds_offload.check.findings import CheckResult
+from gds_offload.check.paths import PathProbe
+from gds_offload.check.topology import best_affinities
+from gds_offload.check.verdict import Verdict
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["SCHEMA_ID", "EXIT_CODES", "JSON_SCHEMA", "schema_errors", "build_document", "render", "BenchProgress"]
+__all__ = [
+    "SCHEMA_ID", "EXIT_CODES", "JSON_SCHEMA", "schema_errors", "build_document", "render", "format_gbps",
+    "BenchProgress",
+]
 
 SCHEMA_ID = "gds-check/1"
 #: Exit code of ``gds-check`` per verdict (3 is reserved for usage errors).
@@ -244,13 +251,8 @@ def _path_entry(probe: PathProbe, verdict: Verdict, bandwidth: Mapping[str, Mapp
 
 
 def _best_per_gpu(report: NodeReport) -> list[dict[str, Any]]:
-    out = []
-    for topo in report.gpu_topology:
-        options = sorted((a for a in report.affinities if a.gpu_index == topo.index), key=lambda a: a.rank)
-        if options:
-            a = options[0]
-            out.append({"gpu": a.gpu_index, "path": a.path, "disk": a.disk, "link": a.link, "hops": a.hops})
-    return out
+    return [{"gpu": a.gpu_index, "path": a.path, "disk": a.disk, "link": a.link, "hops": a.hops}
+            for a in best_affinities(report.gpu_topology, report.affinities)]
 
 
 def build_document(
@@ -354,7 +356,7 @@ def render(console: "Console", doc: Mapping[str, Any]) -> None:
         for name in ("path", "engine", "write", "read", "note"):
             bw.add_column(name, justify="right" if name in ("write", "read") else "left")
         for path, engine, rate in rows:
-            bw.add_row(path, engine, _gbps(rate.get("write_gbps")), _gbps(rate.get("read_gbps")),
+            bw.add_row(path, engine, format_gbps(rate.get("write_gbps")), format_gbps(rate.get("read_gbps")),
                        rate.get("error", ""))
         console.print(bw)
     for rec in doc["recommendations"]:
@@ -372,7 +374,8 @@ def render(console: "Console", doc: Mapping[str, Any]) -> None:
     console.print(Text(f"fix: {doc['fix']}", style="cyan"))
 
 
-def _gbps(value: Any) -> str:
+def format_gbps(value: Any) -> str:
+    """A GB/s figure with two decimals, ``-`` when it is missing (the table and the bandwidth check)."""
     return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
 
 
