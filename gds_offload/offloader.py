@@ -8,7 +8,16 @@ Hooks installed (all removed by :meth:`Offloader.detach`):
   hooks): leaves it, and marks the start of backward on the output's ``grad_fn``;
 * per layer: a forward pre-hook (a new unit starts) and a forward hook that puts a
   pre-hook on the layer output's ``grad_fn``: when backward reaches that layer, the
-  reads of the layers below are issued (prefetch).
+  reads of the layers below are issued (prefetch);
+* ``model.forward`` wrapped in an :class:`_InterruptGuard` (an instance attribute): the
+  ``always_call`` hook above does not run for ``KeyboardInterrupt``/``SystemExit``, the
+  guard pops the hooks then.
+
+At interpreter exit, attached offloaders drop their queued transfers (exit never waits
+for a write backlog; the unnamed spill files vanish with the process).
+
+.. warning:: ``copy.deepcopy`` of an attached model fails (its hooks reference the
+   offloader, which holds locks): copy the model before ``attach()`` or after ``detach()``.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import atexit
 import difflib
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -229,13 +239,13 @@ class Offloader:
             del model._gds_offloader
 
     def _close_at_exit(self) -> None:
-        """Interpreter exit: finish in-flight writes and close engine and store (no read-back)."""
+        """Interpreter exit: cancel queued transfers so exit never waits for a write backlog (the
+        unnamed spill files vanish with the process); transfers already running finish."""
         if not self._attached:
             return
         self._attached = False
-        self.scheduler.wait_inflight()
-        self.engine.close()
-        self.store.close()
+        self.scheduler.stop()
+        self.engine.abort()
 
     def __enter__(self) -> Offloader:
         return self
@@ -396,14 +406,18 @@ def _unguarded(forward: Any) -> Any:
     return forward
 
 
-#: Attached offloaders, closed at interpreter exit (in-flight writes finish, threads stop).
+#: Attached offloaders, stopped at interpreter exit.
 _LIVE: weakref.WeakSet[Offloader] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all_at_exit() -> None:
     for off in list(_LIVE):
         try:
             off._close_at_exit()
         except Exception:  # noqa: BLE001 - exiting anyway; never mask the exit status
             pass
+
+
+# threading's exit hooks run (last registered first) before concurrent.futures joins its
+# workers, which would otherwise run every queued transfer first; atexit runs after that.
+getattr(threading, "_register_atexit", atexit.register)(_close_all_at_exit)

@@ -175,6 +175,8 @@ class Scheduler:
         self._warned: set[str] = set()
         self._error: OffloadError | None = None
         self._inflight: set[_Entry] = set()
+        #: Set at interpreter exit (:meth:`stop`): completions are ignored from then on.
+        self._stopped = False
         #: Every entry that holds a spill slot (live handles or a write in flight).
         self._slotted: set[_Entry] = set()
         self._backward_started: set[int] = set()
@@ -358,6 +360,8 @@ class Scheduler:
 
     def _on_written(self, entry: _Entry, future: IOFuture) -> None:
         """Engine thread: a write finished. Drop the in-memory copy unless it is still needed."""
+        if self._stopped:
+            return
         slot, src = entry.slot, entry.source
         exc = checked_write(future, entry.nbytes, slot) if slot is not None else None
         if exc is None and self.config.verify and src is not None:
@@ -647,6 +651,10 @@ class Scheduler:
             peak_resident_bytes=fwd.peak_resident_bytes,
             fixed_bytes=fwd.fixed_bytes,
         )
+
+    def stop(self) -> None:
+        """Interpreter exit: ignore write completions from now on (no fallbacks, no warnings)."""
+        self._stopped = True
 
     def wait_inflight(self) -> None:
         """Block until every write in flight has finished."""

@@ -91,7 +91,11 @@ class IOFuture:
 
     def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
         """Call ``fn(self)`` when done, on the engine thread that finished it (or now, if done)."""
-        self._future.add_done_callback(lambda _f: fn(self))
+        # Hand fn a new wrapper rather than capturing self: a callback stored on self._future
+        # that referenced self would be a reference cycle, and whatever fn holds (read
+        # buffers, sources) would then live until the cyclic GC runs.
+        nbytes = self.nbytes
+        self._future.add_done_callback(lambda f: fn(IOFuture(f, nbytes)))
 
 
 class Engine(ABC):
@@ -109,6 +113,7 @@ class Engine(ABC):
         self._active = {"write": 0, "read": 0}
         self._busy_since = {"write": 0.0, "read": 0.0}
         self._closed = False
+        self._aborted = False
         #: Whether bytes really move GPU memory -> storage without a host bounce buffer.
         self.uses_gds = False
         #: One line saying how this engine moves bytes (shown in stats and ``gds-offload info``).
@@ -138,6 +143,12 @@ class Engine(ABC):
     def close(self) -> None:
         """Wait for in-flight transfers and stop the engine's threads. Idempotent."""
         self._closed = True
+
+    def abort(self) -> None:
+        """Interpreter exit: transfers not started yet fail at once (:class:`OffloadError`)
+        instead of running, the running ones finish; returns without waiting. Unusable after."""
+        self._closed = True
+        self._aborted = True
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -170,6 +181,9 @@ class Engine(ABC):
                         self._stats.read_busy_seconds += busy
 
     def _throttle(self, nbytes: int) -> None:
+        # Called by every engine before each transfer (or chunk) starts.
+        if self._aborted:
+            raise OffloadError(f"{self.name} engine stopped at interpreter exit")
         if self._limiter is not None:
             self._limiter.acquire(nbytes)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,12 +49,17 @@ _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 @dataclass(frozen=True)
 class Fault:
-    """Make transfers ``nth`` .. ``nth + count - 1`` of direction ``op`` fail with ``kind``."""
+    """Make transfers ``nth`` .. ``nth + count - 1`` of direction ``op`` fail with ``kind``.
+
+    ``delay_s``: an ``enospc``/``eio`` failure completes this long after submission (so a
+    waiter finds the transfer still in flight, then failed).
+    """
 
     op: Direction
     kind: Kind
     nth: int = 1
     count: int = 1
+    delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.op not in ("write", "read"):
@@ -136,6 +142,10 @@ class FaultyEngine(Engine):
         self._pool.shutdown(wait=True)
         self.inner.close()
 
+    def abort(self) -> None:
+        super().abort()
+        self.inner.abort()
+
     def stats(self) -> EngineStats:
         """The wrapped engine's counters: the bytes that really moved."""
         return self.inner.stats()
@@ -156,7 +166,7 @@ class FaultyEngine(Engine):
         if fault is None:
             return _chain(self.inner.write(src, slot, ready=ready))
         if fault.kind in _ERRNO:
-            return self._fail("write", src.numel(), slot, fault.kind)
+            return self._fail("write", src.numel(), slot, fault)
         if fault.kind == "short":
             return _chain(self.inner.write(src[: src.numel() // 2], slot, ready=ready))
         bad = src.clone()  # corrupt: the drive stores other bytes, and says it worked
@@ -168,7 +178,7 @@ class FaultyEngine(Engine):
         if fault is None:
             return _chain(self.inner.read(dst, slot, ready=ready))
         if fault.kind in _ERRNO:
-            return self._fail("read", dst.numel(), slot, fault.kind)
+            return self._fail("read", dst.numel(), slot, fault)
         if fault.kind == "short":
             return _chain(self.inner.read(dst[: dst.numel() // 2], slot, ready=ready))
 
@@ -177,11 +187,12 @@ class FaultyEngine(Engine):
 
         return _chain(self.inner.read(dst, slot, ready=ready), after=flip)
 
-    def _fail(self, op: Direction, nbytes: int, slot: Slot, kind: str) -> Future[int]:
-        code = _ERRNO[kind]
+    def _fail(self, op: Direction, nbytes: int, slot: Slot, fault: Fault) -> Future[int]:
+        code = _ERRNO[fault.kind]
         exc = io_error(op, nbytes, slot, OSError(code, f"{os.strerror(code)} (injected by FaultyEngine)"))
 
         def raise_it() -> int:
+            time.sleep(fault.delay_s)
             raise exc
 
         return self._pool.submit(raise_it)

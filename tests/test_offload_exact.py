@@ -1,0 +1,246 @@
+"""attach() is exact: losses and gradients are bit-identical (torch.equal) to a run without it.
+
+Each test runs the same model (same init, same inputs, RNG reset before each step) once
+without the offloader and once with it, on each storage engine that runs here, with
+``min_bytes=0`` and ``keep_last=0`` so that every saved activation really goes to storage.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+from models import ENGINES, MLP, TinyGPT, assert_same, grads_of, make, train_step, settled
+from torch import nn
+
+import gds_offload
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _attach(model: nn.Module, path, engine: str, **kw):
+    kw = {"min_bytes": 0, "keep_last": 0} | kw
+    return gds_offload.attach(model, path=path, mode=engine, **kw)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "conv", "qkv"])
+def test_models_bit_identical(name: str, engine: str, tmp_path) -> None:
+    model, inputs = make(name)
+    ref = [train_step(model, inputs, seed=s) for s in (1, 2)]
+    model, inputs = make(name)
+    with _attach(model, tmp_path, engine) as off:
+        got = [train_step(model, inputs, seed=s) for s in (1, 2)]
+        st = settled(off)
+    for r, g in zip(ref, got):
+        assert_same(r, g)
+    assert st.bytes_offloaded > 0 and st.bytes_read + st.bytes_forwarded > 0, st
+
+
+def test_gpt_dropout_really_random(tmp_path) -> None:
+    """Guard for the test above: dropout is on, so only an identical RNG state gives identical grads."""
+    model, inputs = make("gpt")
+    assert not torch.equal(train_step(model, inputs, seed=1).loss, train_step(model, inputs, seed=2).loss)
+
+
+class Checkpointed(nn.Module):
+    """An MLP whose blocks run under non-reentrant activation checkpointing (every other block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(depth=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.mlp.blocks):
+            x = cp.checkpoint(b, x, use_reentrant=False) if i % 2 == 0 else b(x)
+        return self.mlp.head(x)
+
+
+def test_checkpoint_regions(engine: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(64, 128)
+    ref = train_step(model, x)
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, train_step(model, x))
+        assert settled(off).bytes_offloaded > 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_bf16_autocast(name: str, engine: str, tmp_path) -> None:
+    model, inputs = make(name)
+
+    def step() -> object:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(*inputs)
+            loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        loss.backward()
+        return grads_of(model, loss)
+
+    ref = step()
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, step())
+        assert_same(ref, step())
+        assert settled(off).bytes_offloaded > 0
+
+
+def test_grad_accumulation_backward_out_of_order(engine: str, tmp_path) -> None:
+    """Four micro-batches: all forwards first, then backwards in another order (3, 0, 2, 1)."""
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    xs = [torch.randn(32, 128) for _ in range(4)]
+
+    def step() -> object:
+        model.zero_grad(set_to_none=True)
+        losses = [model(x).pow(2).mean() for x in xs]
+        for i in (3, 0, 2, 1):
+            losses[i].backward()
+        return grads_of(model, sum(ls.detach() for ls in losses))
+
+    ref = step()
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, step())
+        assert_same(ref, step())
+        st = settled(off)
+        assert st.bytes_offloaded > 0 and off.store.allocated_bytes() == 0
+
+
+def test_forward_twice_in_one_step(engine: str, tmp_path) -> None:
+    model, (idx,) = make("gpt")
+    other = torch.randint(0, 256, idx.shape)
+
+    def step() -> object:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss = model(idx) + 0.5 * model(other)
+        loss.backward()
+        return grads_of(model, loss)
+
+    ref = step()
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, step())
+        assert settled(off).steps == 2  # two forwards
+
+
+def test_retain_graph_second_backward(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+
+    def step() -> object:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = model(*inputs)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return grads_of(model, loss)
+
+    ref = step()
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, step())
+        assert settled(off).bytes_offloaded > 0
+    assert off.store.allocated_bytes() == 0
+
+
+def test_no_grad_saves_and_writes_nothing(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+    with _attach(model, tmp_path, engine) as off:
+        with torch.no_grad():
+            model(*inputs)
+        st = settled(off)
+        assert (st.bytes_packed, st.bytes_offloaded, off.engine.stats().bytes_written) == (0, 0, 0)
+        assert off.store.allocated_bytes() == 0
+
+
+def test_eval_mode(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+    model.eval()
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, train_step(model, inputs))
+        assert settled(off).bytes_offloaded > 0
+
+
+def test_detach_then_attach_again(engine: str, tmp_path) -> None:
+    model, inputs = make("conv")
+    refs = [train_step(make("conv")[0], inputs, seed=s) for s in (1,)]
+    model, _ = make("conv")
+    off = _attach(model, tmp_path, engine)
+    assert_same(refs[0], train_step(model, inputs, seed=1))
+    off.detach()
+    assert not off.attached
+    model2, _ = make("conv")
+    with _attach(model2, tmp_path, engine) as off2:
+        assert_same(refs[0], train_step(model2, inputs, seed=1))
+        assert settled(off2).bytes_offloaded > 0
+    # and the first model again, after its offloader was detached
+    model3, _ = make("conv")
+    off3 = _attach(model3, tmp_path, engine)
+    off3.detach()
+    with _attach(model3, tmp_path, engine):
+        assert_same(refs[0], train_step(model3, inputs, seed=1))
+
+
+def test_detach_while_graph_alive(engine: str, tmp_path) -> None:
+    """detach() between forward and backward: bytes only on disk are read back; backward is exact."""
+    model, inputs = make("gpt")
+    ref = train_step(model, inputs, seed=9)
+    model.zero_grad(set_to_none=True)
+    off = _attach(model, tmp_path, engine)
+    torch.manual_seed(9)
+    loss = model(*inputs)
+    off.scheduler.wait_inflight()
+    assert settled(off).bytes_offloaded > 0
+    off.detach()
+    loss.backward()
+    assert_same(ref, grads_of(model, loss))
+
+
+def test_detach_between_two_backwards_of_a_retained_graph(engine: str, tmp_path) -> None:
+    """After the first backward the forward's bookkeeping is finished; detach must still read back
+    every tensor the retained graph holds on disk."""
+    model, inputs = make("gpt")
+
+    def run(off_factory=None) -> object:
+        model.zero_grad(set_to_none=True)
+        off = off_factory() if off_factory else None
+        torch.manual_seed(11)
+        loss = model(*inputs)
+        loss.backward(retain_graph=True)
+        if off is not None:
+            off.scheduler.wait_inflight()
+            off.detach()
+        loss.backward()
+        return grads_of(model, loss)
+
+    ref = run()
+    assert_same(ref, run(lambda: _attach(model, tmp_path, engine)))
+
+
+def test_hf_gpt2_bit_identical(engine: str, tmp_path, monkeypatch) -> None:
+    """A real Hugging Face model class built from a config (nothing downloaded)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (4, 32))
+
+    def step() -> object:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return grads_of(model, loss)
+
+    ref = step()
+    with _attach(model, tmp_path, engine) as off:
+        assert off.layer_names == ["transformer.h.0", "transformer.h.1"]
+        assert_same(ref, step())
+        assert settled(off).bytes_offloaded > 0
+
+
+def test_tinygpt_tied_head_shares_grad(tmp_path) -> None:
+    """Tied embedding/LM head: one parameter, one gradient (the model under test really ties them)."""
+    model = TinyGPT()
+    assert model.lm_head.weight is model.tok.weight

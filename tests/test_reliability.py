@@ -1,0 +1,646 @@
+"""Reliability: full drives, I/O errors, corruption, crashes, interrupts, long runs, concurrency, bad input.
+
+Faults come from a real small tmpfs (root only) and from the fault-injecting engine
+wrapper (:mod:`gds_offload.io.faults`), which fails the Nth transfer deterministically.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from models import ENGINES, MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, tmpfs, train_step, settled
+from torch import nn
+
+import gds_offload
+from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.io.faults import Fault, inject, parse_faults
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+needs_root = pytest.mark.skipif(not is_root(), reason="needs root to mount a tmpfs")
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _attach(model: nn.Module, path, engine: str = "posix", **kw):
+    kw = {"min_bytes": 0, "keep_last": 0} | kw
+    return gds_offload.attach(model, path=path, mode=engine, **kw)
+
+
+def _offload_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "gds_offload" in str(w.message)]
+
+
+def _child_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO), str(TESTS)) if p)
+    return os.environ | {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+
+
+# ---------------------------------------------------------------------------- drive full
+@needs_root
+@pytest.mark.root
+def test_full_tmpfs_falls_back_warns_once_and_recovers(tmp_path) -> None:
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with tmpfs(tmp_path / "small", "4m") as small:
+        filler = fill(small)
+        with _attach(model, small) as off:
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                assert_same(ref, train_step(model, inputs))
+                assert_same(ref, train_step(model, inputs))
+            st = settled(off)
+            msgs = _offload_warnings(rec)
+            assert len(msgs) == 1, msgs  # one warning, not one per tensor
+            assert str(small) in msgs[0] and "bytes" in msgs[0] and "stay in memory" in msgs[0]
+            assert st.bytes_fallback > 0 and st.bytes_offloaded == 0
+            # space freed later is used again
+            filler.unlink()
+            assert_same(ref, train_step(model, inputs))
+            off.scheduler.wait_inflight()
+            st2 = settled(off)
+            assert st2.bytes_offloaded > 0 and st2.bytes_fallback == st.bytes_fallback
+
+
+@needs_root
+@pytest.mark.root
+def test_striping_skips_the_full_directory(tmp_path) -> None:
+    model, inputs = make("gpt")
+    ref = train_step(model, inputs)
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    with tmpfs(tmp_path / "small", "4m") as small:
+        fill(small)
+        with _attach(model, [small, roomy]) as off:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback, so no warning
+                assert_same(ref, train_step(model, inputs))
+            st = settled(off)
+            assert st.bytes_fallback == 0 and st.bytes_offloaded > 0
+            full, ok = off.store.files
+            assert full.size == 0 and ok.size > 0
+
+
+@needs_root
+@pytest.mark.root
+def test_nearly_full_drive_still_used(tmp_path) -> None:
+    """A drive with less free space than the store's growth step (64 MiB) still takes slots that fit."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with tmpfs(tmp_path / "small", "16m") as small:
+        with _attach(model, small) as off:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert_same(ref, train_step(model, inputs))
+            st = settled(off)
+        assert st.bytes_fallback == 0 and st.bytes_offloaded > 0
+
+
+def test_enospc_on_write_falls_back(engine: str, tmp_path) -> None:
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path, engine) as off:
+        faulty = inject(off, Fault("write", "enospc", nth=2, count=3))
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            assert_same(ref, train_step(model, inputs))
+            assert_same(ref, train_step(model, inputs))
+        st = settled(off)
+        msgs = _offload_warnings(rec)
+        assert len(faulty.injected) == 3
+        assert len(msgs) == 1, msgs
+        assert str(tmp_path) in msgs[0] and "No space left on device" in msgs[0] and "bytes" in msgs[0]
+        assert st.bytes_fallback == 3 * 32 * 1024 and st.bytes_offloaded > 0
+        off.scheduler.wait_inflight()
+        assert off.store.allocated_bytes() == 0
+
+
+def test_on_error_raise(engine: str, tmp_path) -> None:
+    """on_error='raise': the failure surfaces at the next pack/unpack on the training thread, as an
+    OffloadError; the tensor was still in memory, and the next step (no fault) is exact."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path, engine, on_error="raise") as off:
+        inject(off, Fault("write", "eio", nth=1))
+        with pytest.raises(OffloadError, match="could not offload .* Input/output error"):
+            train_step(model, inputs)
+        gc.collect()
+        assert_same(ref, train_step(model, inputs))
+
+
+def test_on_error_raise_surfaces_in_backward(engine: str, tmp_path) -> None:
+    """The last write of a forward fails: no pack follows, so the next unpack raises."""
+    model, inputs = make("mlp")
+    with _attach(model, tmp_path, engine, on_error="raise") as off:
+        train_step(model, inputs)
+        writes = off.engine.stats().writes
+        inject(off, Fault("write", "eio", nth=writes))  # the last write of the next forward
+        model.zero_grad(set_to_none=True)
+        loss = model(*inputs).pow(2).mean()
+        off.scheduler.wait_inflight()
+        with pytest.raises(OffloadError, match="could not offload"):
+            loss.backward()
+
+
+def test_read_failure_while_detaching(engine: str, tmp_path) -> None:
+    """detach() reads back what a live graph needs; a failed read does not break detach (threads
+    stop, files close) and the error surfaces when backward needs the tensor."""
+    model, inputs = make("mlp")
+    off = _attach(model, tmp_path, engine)
+    inject(off, Fault("read", "eio", nth=1))
+    loss = model(*inputs).pow(2).mean()
+    off.scheduler.wait_inflight()
+    off.detach()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
+    with pytest.raises(OffloadError):
+        loss.backward()
+
+
+# ---------------------------------------------------------------------------- I/O errors
+@pytest.mark.parametrize("delay_s", [0.0, 0.3], ids=["failed-before-unpack", "failed-while-waited-for"])
+def test_failed_read_names_layer_tensor_file_offset_and_os_error(delay_s: float, engine: str, tmp_path) -> None:
+    model, inputs = make("mlp")
+    with _attach(model, tmp_path, engine) as off:
+        inject(off, Fault("read", "eio", nth=1, delay_s=delay_s))
+        with pytest.raises(OffloadError) as ei:
+            train_step(model, inputs)
+        msg = str(ei.value)
+        for part in ("layer blocks.", "shape (64, 128)", "torch.float32", str(tmp_path), "offset", "Input/output error"):
+            assert part in msg, (part, msg)
+        del ei
+        gc.collect()
+        ref = train_step(make("mlp")[0], inputs)
+        assert_same(ref, train_step(model, inputs))  # the next step works
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_short_transfer_through_wrapper_never_returns_garbage(op: str, engine: str, tmp_path) -> None:
+    """A transfer that reports fewer bytes than asked: a short write falls back (data kept in memory),
+    a short read raises instead of returning half-filled memory."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path, engine) as off:
+        inject(off, Fault(op, "short", nth=1))
+        if op == "write":
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                assert_same(ref, train_step(model, inputs))
+            assert "short write" in " ".join(_offload_warnings(rec))
+            assert settled(off).bytes_fallback > 0
+        else:
+            with pytest.raises(OffloadError, match="short read"):
+                train_step(model, inputs)
+
+
+def test_short_pwrite_and_preadv_retried_to_completion(tmp_path, monkeypatch) -> None:
+    """The posix engine loops over short pwrite/preadv (as the kernel may return them)."""
+    model, inputs = make("gpt")
+    ref = train_step(model, inputs)
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def half(n: int) -> int:
+        return max(4096, n // 2 // 4096 * 4096) if n > 4096 else n  # O_DIRECT: stay 4 KiB aligned
+
+    def short_pwrite(fd, data, offset):
+        return real_pwrite(fd, memoryview(data)[: half(len(data))], offset)
+
+    def short_preadv(fd, bufs, offset):
+        (buf,) = bufs
+        return real_preadv(fd, [memoryview(buf)[: half(len(buf))]], offset)
+
+    with _attach(model, tmp_path, "posix") as off:
+        monkeypatch.setattr(os, "pwrite", short_pwrite)
+        monkeypatch.setattr(os, "preadv", short_preadv)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        loss = model(*inputs)
+        off.scheduler.wait_inflight()  # everything on disk: backward reads it all back
+        loss.backward()
+        monkeypatch.undo()
+        assert_same(ref, grads_of(model, loss))
+        assert off.engine.stats().retries > 0
+        assert settled(off).bytes_read > 0 and settled(off).bytes_fallback == 0
+
+
+def test_spill_directory_removed_under_the_run(engine: str, tmp_path) -> None:
+    """Spill files are unnamed: removing the directory does not touch their data."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    model, inputs = make("gpt")
+    refs = [train_step(model, inputs, seed=s) for s in range(3)]
+    with _attach(model, d, engine) as off:
+        assert_same(refs[0], train_step(model, inputs, seed=0))
+        shutil.rmtree(d)
+        for s in (1, 2):
+            assert_same(refs[s], train_step(model, inputs, seed=s))
+        assert settled(off).bytes_fallback == 0
+
+
+# ---------------------------------------------------------------------------- integrity
+def _forward_then_tamper(model, inputs, off, tamper) -> torch.Tensor:
+    """Forward, let every write land, change the spill file, return the loss (backward not run)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    out = model(*inputs)
+    off.scheduler.wait_inflight()
+    live = [e for e in off.scheduler._slotted if e.handles and e.source is None]
+    assert live, "some tensor is only on disk"
+    victim = max(live, key=lambda e: e.nbytes)
+    tamper(victim.slot)
+    return out if out.dim() == 0 else out.float().pow(2).mean()
+
+
+def _scribble(slot) -> None:
+    # Another writer (root can) changes bytes of a live slot through /proc/<pid>/fd.
+    with open(f"/proc/{os.getpid()}/fd/{slot.file.fd}", "r+b", buffering=0) as fh:
+        os.pwrite(fh.fileno(), b"\xff" * 256, slot.offset)
+
+
+def test_verify_detects_bytes_changed_on_disk(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+    with _attach(model, tmp_path, engine, verify=True) as off:
+        loss = _forward_then_tamper(model, inputs, off, _scribble)
+        with pytest.raises(OffloadError) as ei:
+            loss.backward()
+        msg = str(ei.value)
+        for part in ("corrupt spill slot", "layer", "shape (", str(tmp_path), "offset", "expected"):
+            assert part in msg, (part, msg)
+        del ei, loss
+        gc.collect()
+        ref = train_step(make("gpt")[0], inputs)
+        assert_same(ref, train_step(model, inputs))  # clean steps verify fine
+
+
+def test_without_verify_corruption_goes_undetected(tmp_path) -> None:
+    """Documents why verify exists: the same tampering without it silently changes gradients."""
+    model, inputs = make("gpt")
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path) as off:
+        loss = _forward_then_tamper(model, inputs, off, _scribble)
+        loss.backward()
+        got = grads_of(model, loss)
+    assert not all(torch.equal(g, got.grads[n]) for n, g in ref.grads.items())
+
+
+def test_truncated_spill_file_raises(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+    with _attach(model, tmp_path, engine, verify=True) as off:
+        loss = _forward_then_tamper(model, inputs, off, lambda slot: os.ftruncate(slot.file.fd, 0))
+        with pytest.raises(OffloadError, match=f"cannot restore a saved tensor of layer .*{tmp_path}"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_verify_detects_corrupt_transfers(op: str, engine: str, tmp_path) -> None:
+    model, inputs = make("mlp")
+    with _attach(model, tmp_path, engine, verify=True) as off:
+        inject(off, Fault(op, "corrupt", nth=1))
+        with pytest.raises(OffloadError, match="corrupt spill slot .* checksum [0-9a-f]{16}, expected [0-9a-f]{16}"):
+            train_step(model, inputs)
+
+
+def test_verify_exact_when_nothing_is_wrong(engine: str, tmp_path) -> None:
+    model, inputs = make("conv")
+    ref = train_step(model, inputs)
+    with _attach(model, tmp_path, engine, verify=True) as off:
+        assert_same(ref, train_step(model, inputs))
+        assert settled(off).bytes_read > 0
+
+
+# ---------------------------------------------------------------------------- crashes and interrupts
+_KILL_CHILD = """
+import sys, torch, gds_offload
+from models import make, train_step
+model, inputs = make("gpt")
+off = gds_offload.attach(model, path=sys.argv[1], mode=sys.argv[2], min_bytes=0, keep_last=0, max_bandwidth="5MB/s")
+train_step(model, inputs)
+print("stepping", flush=True)
+while True:
+    train_step(model, inputs)
+"""
+
+
+def _free_bytes(p: Path) -> int:
+    st = os.statvfs(p)
+    return st.f_bfree * st.f_frsize
+
+
+def test_sigkill_leaves_nothing_on_disk(engine: str, tmp_path) -> None:
+    def run(d: Path) -> None:
+        before = _free_bytes(d)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILL_CHILD, str(d), engine], stdout=subprocess.PIPE, env=_child_env()
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == b"stepping"
+            time.sleep(0.3)  # mid-step: writes in flight at 5 MB/s
+            if is_root():
+                assert _free_bytes(d) < before, "the child's spill file holds space"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        assert os.listdir(d) == []
+        if is_root():
+            assert _free_bytes(d) == before, "disk space returned"
+
+    if is_root():
+        with tmpfs(tmp_path / "t", "256m") as d:
+            run(d)
+    else:
+        run(tmp_path)
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_mid_forward_releases_everything(exc: type[BaseException], tmp_path) -> None:
+    """KeyboardInterrupt (or SystemExit) from inside forward: forward hooks with always_call do not
+    run for BaseExceptions, yet the offloader's saved-tensor hooks must be popped at once."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    off = _attach(model, tmp_path)
+
+    def boom(_m, _a, _o):
+        raise exc()
+
+    h = model.blocks[2].register_forward_hook(boom)
+    with pytest.raises(exc):
+        model(*inputs)
+    h.remove()
+    gc.collect()
+    packed = settled(off).bytes_packed
+    assert packed > 0
+    # a plain forward/backward outside the model goes nowhere near the offloader
+    w = torch.randn(128, 128, requires_grad=True)
+    torch.tanh(inputs[0] @ w).sum().backward()
+    assert settled(off).bytes_packed == packed
+    off.scheduler.wait_inflight()
+    assert off.store.allocated_bytes() == 0  # the aborted graph is gone, so are its slots
+    assert_same(ref, train_step(model, inputs))  # and the model trains on, exactly
+    off.detach()
+    assert "forward" not in model.__dict__
+    assert not [t for t in threading.enumerate() if t.name.startswith("gds_offload-")]
+
+
+def test_detach_during_in_flight_step(engine: str, tmp_path) -> None:
+    model, inputs = make("gpt")
+    ref = train_step(model, inputs)
+    off = _attach(model, tmp_path, engine, max_bandwidth="5MB/s")
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = model(*inputs)
+    assert off.scheduler._inflight, "writes still in flight"
+    off.detach()
+    loss.backward()
+    assert_same(ref, grads_of(model, loss))
+
+
+# ---------------------------------------------------------------------------- load and long runs
+def test_soak_flat() -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "soak.py"), "--steps", "250", "--every", "50", "--warmup", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_child_env(),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: flat after warm-up" in out.stdout
+    assert out.stdout.count("step ") >= 5
+
+
+def test_soak_detects_growth(monkeypatch) -> None:
+    """The soak script's growth check fails when something grows."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    a = soak.Sample(100, 100 << 20, 7, 5, 64 << 20, 0)
+    assert soak.growth(a, soak.Sample(200, 101 << 20, 7, 5, 64 << 20, 0), 32 << 20) == []
+    assert soak.growth(a, soak.Sample(200, 100 << 20, 8, 5, 64 << 20, 0), 32 << 20)
+    assert soak.growth(a, soak.Sample(200, 100 << 20, 7, 5, 128 << 20, 0), 32 << 20)
+    assert soak.growth(a, soak.Sample(200, 200 << 20, 7, 5, 64 << 20, 0), 32 << 20)
+
+
+def test_ten_thousand_small_tensors_per_step(tmp_path) -> None:
+    from models import ManySmall
+
+    model = ManySmall(10_000)
+    x = torch.randn(10_000, 16)
+    ref = train_step(model, x)
+    with _attach(model, tmp_path) as off:
+        assert_same(ref, train_step(model, x))
+        off.scheduler.wait_inflight()
+        assert off.engine.stats().writes >= 10_000
+        assert off.store.allocated_bytes() == 0
+
+
+@pytest.mark.slow
+def test_one_huge_tensor(tmp_path, request: pytest.FixtureRequest) -> None:
+    """A single saved tensor over 2 GiB (offsets and lengths past 32 bits). About 20 s and 7 GiB of RAM."""
+    if "slow" not in (request.config.getoption("markexpr") or "") and not os.environ.get("GDS_OFFLOAD_SLOW"):
+        pytest.skip("slow (2.25 GiB through the drive and back): run with -m slow or GDS_OFFLOAD_SLOW=1")
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.w).sum()  # saves x (2.25 GiB) for w's gradient
+
+    torch.manual_seed(0)
+    x = torch.randn((9 << 30) // 4 // 4, dtype=torch.float32)  # 2.25 GiB
+    model = Scale()
+    ref = train_step(model, x, loss_fn=lambda o: o)
+    with _attach(model, tmp_path, layers=[]) as off:
+        assert_same(ref, train_step(model, x, loss_fn=lambda o: o))
+        st = settled(off)
+    assert st.bytes_offloaded >= 2 << 30 and st.bytes_read >= 2 << 30
+
+
+# ---------------------------------------------------------------------------- concurrency
+_TWO_PROC_CHILD = """
+import sys, torch, gds_offload
+from models import make, train_step, assert_same, settled
+model, inputs = make(sys.argv[2])
+refs = [train_step(model, inputs, seed=s) for s in range(6)]
+with gds_offload.attach(model, path=sys.argv[1], mode="posix", min_bytes=0, keep_last=0) as off:
+    for s in range(6):
+        assert_same(refs[s], train_step(model, inputs, seed=s))
+    assert settled(off).bytes_offloaded > 0
+print("exact", flush=True)
+"""
+
+
+def test_two_processes_share_a_directory(tmp_path) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_PROC_CHILD, str(tmp_path), name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_child_env(),
+        )
+        for name in ("gpt", "conv")
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == b"exact", err.decode()[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_offloaders_in_one_process_share_a_directory(engine: str, tmp_path) -> None:
+    (m1, in1), (m2, in2) = make("gpt"), make("conv")
+    refs1 = [train_step(m1, in1, seed=s) for s in range(3)]
+    refs2 = [train_step(m2, in2, seed=s) for s in range(3)]
+    with _attach(m1, tmp_path, engine) as o1, _attach(m2, tmp_path, engine) as o2:
+        for s in range(3):
+            assert_same(refs1[s], train_step(m1, in1, seed=s))
+            assert_same(refs2[s], train_step(m2, in2, seed=s))
+        # interleaved: both graphs alive at once
+        l1 = m1(*in1)
+        m2.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        l2 = m2(*in2).float().pow(2).mean()
+        l1.backward()
+        l2.backward()
+        assert_same(refs2[0], grads_of(m2, l2))
+        assert settled(o1).bytes_offloaded > 0 and settled(o2).bytes_offloaded > 0
+
+
+def test_threads_joined_on_detach(engine: str, tmp_path) -> None:
+    model, inputs = make("mlp")
+    with _attach(model, tmp_path, engine):
+        train_step(model, inputs)
+        assert [t for t in threading.enumerate() if t.name.startswith("gds_offload-")]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
+
+
+_EXIT_CHILD = """
+import sys, torch, gds_offload
+from models import make, train_step
+model, inputs = make("gpt")
+off = gds_offload.attach(
+    model, path=sys.argv[1], mode=sys.argv[2], min_bytes=0, keep_last=0, max_bandwidth="200KB/s", num_threads=1
+)
+loss = model(*inputs)   # a graph alive and ~20 s of queued writes at exit; no detach
+print("exiting", flush=True)
+"""
+
+
+def test_exit_without_detach_is_prompt_and_clean(engine: str, tmp_path) -> None:
+    """Exit does not wait for a write backlog (queued transfers are dropped; the unnamed spill
+    files vanish with the process anyway), prints nothing, and leaves nothing behind."""
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, str(tmp_path), engine],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "exiting"
+    assert out.stderr.strip() == "", out.stderr[-3000:]
+    assert time.monotonic() - t0 < 12, "exit waited for the queued writes"
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_fault_specs() -> None:
+    assert parse_faults("write:eio:5,read:corrupt:2:0") == [Fault("write", "eio", 5), Fault("read", "corrupt", 2, 0)]
+    for bad in ("write", "write:melt", "sideways:eio", "write:eio:x", "write:eio:0"):
+        with pytest.raises(ConfigError):
+            parse_faults(bad)
+
+
+def test_sparse_saved_tensor_kept_and_exact(engine: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = SparseInputNet()
+    dense = torch.randn(48, 64) * (torch.rand(48, 64) < 0.1)
+    x = dense.to_sparse()
+    ref = train_step(model, x)
+    with _attach(model, tmp_path, engine) as off:
+        assert_same(ref, train_step(model, x))
+        off.scheduler.wait_inflight()
+        st = settled(off)
+    assert st.bytes_unsupported > 0 and st.bytes_offloaded > 0
+
+
+class _ScaleBySaved(torch.autograd.Function):
+    """``w * total(aux)``, saving ``aux`` (a nested or quantized tensor) for backward."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, box: tuple[torch.Tensor]) -> torch.Tensor:
+        (aux,) = box  # in a tuple: autograd does not inspect it as an input
+        ctx.save_for_backward(aux)
+        return w * _total(aux)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad * _total(aux), None
+
+
+def _total(aux: torch.Tensor) -> torch.Tensor:
+    if aux.is_nested:
+        return sum(t.sum() for t in aux.unbind())
+    return aux.dequantize().sum() if aux.is_quantized else aux.sum()
+
+
+class _WithAux(nn.Module):
+    """An MLP whose loss also goes through :class:`_ScaleBySaved` with an unsupported ``aux`` tensor."""
+
+    def __init__(self, aux: torch.Tensor) -> None:
+        super().__init__()
+        self.mlp = MLP(depth=2)
+        self.aux = aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x).pow(2).mean() + _ScaleBySaved.apply(self.mlp.head.bias, (self.aux,)).sum()
+
+
+@pytest.mark.parametrize("kind", ["nested", "quantized"])
+def test_nested_and_quantized_saved_tensors_kept_and_exact(kind: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    if kind == "nested":
+        aux = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    else:
+        aux = torch.quantize_per_tensor(torch.randn(64, 64), 0.05, 0, torch.qint8)
+    model, x = _WithAux(aux), torch.randn(16, 128)
+    ref = train_step(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # prototype/deprecation notices of torch itself
+        with _attach(model, tmp_path) as off:
+            assert_same(ref, train_step(model, x))
+            off.scheduler.wait_inflight()
+            st = settled(off)
+    assert st.bytes_unsupported > 0 and st.bytes_offloaded > 0
+
+
+@pytest.mark.gpu
+def test_tensor_on_another_device_than_the_model(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: a CPU-only machine has no second device")
+    model = MLP().cuda()
+    x = torch.randn(64, 128)
+    ref = train_step(model, x.cuda())
+    with _attach(model, tmp_path):
+        assert_same(ref, train_step(model, x.cuda()))
