@@ -55,12 +55,15 @@ class Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
 
     def mark(self) -> Any:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        # On the model's device, not the calling thread's current one (device 0 unless set): a
+        # model on cuda:1 would otherwise be timed on an idle GPU.
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def seconds(self, start: Any, end: Any) -> float:

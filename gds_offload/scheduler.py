@@ -347,7 +347,7 @@ class Scheduler:
         self._slotted.add(entry)
         ready = None
         if t.device.type == "cuda":
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # engine threads sleep in synchronize(), not spin
             ready.record(torch.cuda.current_stream(t.device))
         self._inflight.add(entry)
         layer.bytes_offloaded += nbytes
@@ -506,7 +506,7 @@ class Scheduler:
         ready = None
         if dst.device.type == "cuda":
             # The allocator may hand out memory a queued kernel still reads: let that finish first.
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # engine threads sleep in synchronize(), not spin
             ready.record(torch.cuda.current_stream(dst.device))
         entry.loaded = dst
         entry.loaded_weak = weakref.ref(dst)

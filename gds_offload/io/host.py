@@ -63,8 +63,11 @@ class HostEngine(Engine):
         if dst.device.type == "cpu" and src.device.type == "cpu":
             dst.copy_(src)
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        # The side stream must live on the tensor's device: a copy runs on the current stream
+        # of *its* device, and this thread starts on device 0 (wrong for a model on cuda:1).
+        device = dst.device if dst.device.type == "cuda" else src.device
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
