@@ -128,3 +128,9 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (CUDA): torch.cuda.is_available() is False")
     return torch.device("cuda")
+
+
+@pytest.fixture(params=__import__("models").ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Each drive engine that runs here (posix; compat where KvikIO is usable)."""
+    return request.param

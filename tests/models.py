@@ -12,6 +12,7 @@ import math
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "ManySmall",
     "Result",
     "ENGINES",
+    "offload_everything",
     "train_step",
     "assert_same",
     "make",
@@ -228,6 +230,12 @@ def make(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     if name == "qkv":
         return FusedQKVNet(), (torch.randn(4, 16, 64),)
     raise ValueError(f"unknown test model {name!r}")
+
+
+def offload_everything(model: nn.Module, path: Path, engine: str = "posix", **kw: Any) -> gds_offload.Offloader:
+    """``attach`` that offloads every saved tensor (no size floor, no layer kept), so that tiny
+    test models really exercise the drive."""
+    return gds_offload.attach(model, path=path, mode=engine, **({"min_bytes": 0, "keep_last": 0} | kw))
 
 
 def is_root() -> bool:

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from models import ENGINES, MLP, FusedQKVNet, TinyGPT, assert_same, is_root, make, tmpfs, train_step, settled
+from models import offload_everything, ENGINES, MLP, FusedQKVNet, TinyGPT, assert_same, is_root, make, tmpfs, train_step, settled
 from torch import nn
 
 import gds_offload
@@ -15,20 +15,10 @@ from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def _attach(model: nn.Module, path, engine: str = "posix", **kw):
-    kw = {"min_bytes": 0, "keep_last": 0} | kw
-    return gds_offload.attach(model, path=path, mode=engine, **kw)
-
-
 # ---------------------------------------------------------------------------- stats
 def test_bytes_really_go_to_storage(engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         train_step(model, inputs)
         off.scheduler.wait_inflight()
         st = settled(off)
@@ -42,7 +32,7 @@ def test_fused_qkv_views_deduplicated(engine: str, tmp_path) -> None:
     """q, k, v are views of one storage: written once, counted in bytes_deduplicated."""
     model, inputs = make("qkv")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, train_step(model, inputs))
         st = settled(off)
     # Per layer, SDPA saves q, k and v: two of the three are deduplicated against the fused output.
@@ -55,7 +45,7 @@ def test_peak_resident_well_under_keep_everything(tmp_path) -> None:
     model, x = MLP(width=256, depth=8), torch.randn(256, 256)
     peaks = {}
     for keep_last in (1000, 0):
-        with _attach(model, tmp_path, keep_last=keep_last) as off:
+        with offload_everything(model, tmp_path, keep_last=keep_last) as off:
             for _ in range(2):
                 train_step(model, x)
             peaks[keep_last] = settled(off).peak_resident_bytes
@@ -65,7 +55,7 @@ def test_peak_resident_well_under_keep_everything(tmp_path) -> None:
 
 def test_no_slot_left_and_spill_file_flat(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         sizes = []
         for step in range(8):
             train_step(model, inputs, seed=step)
@@ -82,7 +72,7 @@ def test_unpack_twice_identical(engine: str, tmp_path) -> None:
     w = nn.Linear(64, 64)
     x = torch.randn(32, 64)
     model = nn.Sequential(w, nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         y = model(x)
         off.scheduler.wait_inflight()
         expected = torch.tanh(w(x)).detach()
@@ -124,7 +114,7 @@ def test_write_completing_inside_engine_write_keeps_the_bytes(tmp_path) -> None:
     """A write whose future is done before the pack hook returns: its bytes must stay reachable."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
-    off = _attach(model, tmp_path)
+    off = offload_everything(model, tmp_path)
     sync = _SyncEngine()
     off.engine.close()
     off.engine = off.scheduler.engine = sync
@@ -138,21 +128,21 @@ def test_write_completing_inside_engine_write_keeps_the_bytes(tmp_path) -> None:
 # ---------------------------------------------------------------------------- errors
 def test_attach_twice_refused(tmp_path) -> None:
     model = MLP()
-    with _attach(model, tmp_path):
+    with offload_everything(model, tmp_path):
         with pytest.raises(ConfigError, match="already attached"):
-            _attach(model, tmp_path)
+            offload_everything(model, tmp_path)
 
 
 def test_missing_path_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        _attach(MLP(), tmp_path / "nope")
+        offload_everything(MLP(), tmp_path / "nope")
 
 
 def test_non_directory_refused(tmp_path) -> None:
     f = tmp_path / "file"
     f.write_bytes(b"x")
     with pytest.raises(ConfigError, match="not a directory"):
-        _attach(MLP(), f)
+        offload_everything(MLP(), f)
 
 
 def test_non_writable_path_refused(tmp_path) -> None:
@@ -160,11 +150,11 @@ def test_non_writable_path_refused(tmp_path) -> None:
     if is_root():  # root writes through mode bits: use a read-only filesystem instead
         with tmpfs(d, "1m", readonly=True):
             with pytest.raises(ConfigError, match="not writable"):
-                _attach(MLP(), d)
+                offload_everything(MLP(), d)
         return
     d.mkdir(mode=0o500)
     with pytest.raises(ConfigError, match="not writable"):
-        _attach(MLP(), d)
+        offload_everything(MLP(), d)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +185,7 @@ def test_bad_arguments(kw: dict, match: str, tmp_path) -> None:
 
 
 def test_sizes_parse(tmp_path) -> None:
-    with _attach(MLP(), tmp_path, min_bytes="1MiB", prefetch_bytes="40GiB", max_bandwidth="2GB/s") as off:
+    with offload_everything(MLP(), tmp_path, min_bytes="1MiB", prefetch_bytes="40GiB", max_bandwidth="2GB/s") as off:
         assert off.config.min_bytes == 1 << 20
         assert off.config.prefetch_bytes == 40 << 30
         assert off.config.max_bandwidth == 2e9
@@ -215,27 +205,27 @@ def test_not_a_module() -> None:
 
 def test_model_without_parameters(tmp_path) -> None:
     with pytest.raises(ConfigError, match="has no parameters"):
-        _attach(nn.Sequential(nn.ReLU(), nn.Tanh()), tmp_path)
+        offload_everything(nn.Sequential(nn.ReLU(), nn.Tanh()), tmp_path)
 
 
 def test_compiled_module_refused(tmp_path) -> None:
     compiled = torch.compile(MLP())  # lazy: nothing is compiled until the first call
     with pytest.raises(ConfigError, match="torch.compile"):
-        _attach(compiled, tmp_path)
+        offload_everything(compiled, tmp_path)
 
 
 def test_failed_attach_leaves_no_threads(tmp_path) -> None:
     import threading
 
     with pytest.raises(ConfigError):
-        _attach(MLP(), tmp_path / "missing")
+        offload_everything(MLP(), tmp_path / "missing")
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
 
 
 # ---------------------------------------------------------------------------- layers
 def test_layers_found_on_gpt_and_bert_structures(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with _attach(TinyGPT(), tmp_path) as off:
+    with offload_everything(TinyGPT(), tmp_path) as off:
         assert off.layer_names == ["h.0", "h.1", "h.2"]
     transformers = pytest.importorskip("transformers")
     bert = transformers.BertModel(
@@ -243,15 +233,15 @@ def test_layers_found_on_gpt_and_bert_structures(tmp_path, monkeypatch) -> None:
             hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, vocab_size=100
         )
     )
-    with _attach(bert, tmp_path) as off:
+    with offload_everything(bert, tmp_path) as off:
         assert off.layer_names == ["encoder.layer.0", "encoder.layer.1", "encoder.layer.2"]
 
 
 def test_layers_override_by_name_and_module(tmp_path) -> None:
     model = MLP(depth=4)
-    with _attach(model, tmp_path, layers=["blocks.0", "blocks.2"]) as off:
+    with offload_everything(model, tmp_path, layers=["blocks.0", "blocks.2"]) as off:
         assert off.layer_names == ["blocks.0", "blocks.2"]
-    with _attach(model, tmp_path, layers=[model.blocks[1], model.head]) as off:
+    with offload_everything(model, tmp_path, layers=[model.blocks[1], model.head]) as off:
         assert off.layer_names == ["blocks.1", "head"]
         train_step(model, torch.randn(8, 128))
         names = {s.name for s in settled(off).layers}
@@ -264,7 +254,7 @@ def test_forwarding_when_backward_overtakes_writes(engine: str, tmp_path) -> Non
     memory (bytes_forwarded) and the result is exact."""
     model, inputs = make("gpt")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine, max_bandwidth="5MB/s") as off:
+    with offload_everything(model, tmp_path, engine, max_bandwidth="5MB/s") as off:
         assert_same(ref, train_step(model, inputs))
         st = settled(off)
     assert st.bytes_forwarded > 0, st
@@ -274,7 +264,7 @@ def test_slow_engine_exact(engine: str, tmp_path) -> None:
     model, inputs = make("conv")
     ref = [train_step(model, inputs, seed=s) for s in (1, 2)]
     model, inputs = make("conv")
-    with _attach(model, tmp_path, engine, max_bandwidth="50MB/s") as off:
+    with offload_everything(model, tmp_path, engine, max_bandwidth="50MB/s") as off:
         for r, s in zip(ref, (1, 2)):
             assert_same(r, train_step(model, inputs, seed=s))
         assert settled(off).bytes_offloaded > 0
@@ -299,7 +289,7 @@ def test_prefetch_reads_ahead(tmp_path) -> None:
     tensors read. Without prefetch every read would be issued at unpack time."""
     torch.manual_seed(0)
     model, x = _Deep(), torch.randn(512, 384)
-    with _attach(model, tmp_path) as off:
+    with offload_everything(model, tmp_path) as off:
         for _ in range(3):
             train_step(model, x)
         st = settled(off)

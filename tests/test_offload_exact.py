@@ -9,20 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint as cp
-from models import ENGINES, MLP, TinyGPT, assert_same, grads_of, make, train_step, settled
+from models import offload_everything, ENGINES, MLP, TinyGPT, assert_same, grads_of, make, train_step, settled
 from torch import nn
 
 import gds_offload
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def _attach(model: nn.Module, path, engine: str, **kw):
-    kw = {"min_bytes": 0, "keep_last": 0} | kw
-    return gds_offload.attach(model, path=path, mode=engine, **kw)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "conv", "qkv"])
@@ -30,7 +20,7 @@ def test_models_bit_identical(name: str, engine: str, tmp_path) -> None:
     model, inputs = make(name)
     ref = [train_step(model, inputs, seed=s) for s in (1, 2)]
     model, inputs = make(name)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         got = [train_step(model, inputs, seed=s) for s in (1, 2)]
         st = settled(off)
     for r, g in zip(ref, got):
@@ -61,7 +51,7 @@ def test_checkpoint_regions(engine: str, tmp_path) -> None:
     torch.manual_seed(0)
     model, x = Checkpointed(), torch.randn(64, 128)
     ref = train_step(model, x)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, train_step(model, x))
         assert settled(off).bytes_offloaded > 0
 
@@ -80,7 +70,7 @@ def test_bf16_autocast(name: str, engine: str, tmp_path) -> None:
         return grads_of(model, loss)
 
     ref = step()
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, step())
         assert_same(ref, step())
         assert settled(off).bytes_offloaded > 0
@@ -100,7 +90,7 @@ def test_grad_accumulation_backward_out_of_order(engine: str, tmp_path) -> None:
         return grads_of(model, sum(ls.detach() for ls in losses))
 
     ref = step()
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, step())
         assert_same(ref, step())
         st = settled(off)
@@ -119,7 +109,7 @@ def test_forward_twice_in_one_step(engine: str, tmp_path) -> None:
         return grads_of(model, loss)
 
     ref = step()
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, step())
         assert settled(off).steps == 2  # two forwards
 
@@ -136,7 +126,7 @@ def test_retain_graph_second_backward(engine: str, tmp_path) -> None:
         return grads_of(model, loss)
 
     ref = step()
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, step())
         assert settled(off).bytes_offloaded > 0
     assert off.store.allocated_bytes() == 0
@@ -144,7 +134,7 @@ def test_retain_graph_second_backward(engine: str, tmp_path) -> None:
 
 def test_no_grad_saves_and_writes_nothing(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         with torch.no_grad():
             model(*inputs)
         st = settled(off)
@@ -156,7 +146,7 @@ def test_eval_mode(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
     model.eval()
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, train_step(model, inputs))
         assert settled(off).bytes_offloaded > 0
 
@@ -165,19 +155,19 @@ def test_detach_then_attach_again(engine: str, tmp_path) -> None:
     model, inputs = make("conv")
     refs = [train_step(make("conv")[0], inputs, seed=s) for s in (1,)]
     model, _ = make("conv")
-    off = _attach(model, tmp_path, engine)
+    off = offload_everything(model, tmp_path, engine)
     assert_same(refs[0], train_step(model, inputs, seed=1))
     off.detach()
     assert not off.attached
     model2, _ = make("conv")
-    with _attach(model2, tmp_path, engine) as off2:
+    with offload_everything(model2, tmp_path, engine) as off2:
         assert_same(refs[0], train_step(model2, inputs, seed=1))
         assert settled(off2).bytes_offloaded > 0
     # and the first model again, after its offloader was detached
     model3, _ = make("conv")
-    off3 = _attach(model3, tmp_path, engine)
+    off3 = offload_everything(model3, tmp_path, engine)
     off3.detach()
-    with _attach(model3, tmp_path, engine):
+    with offload_everything(model3, tmp_path, engine):
         assert_same(refs[0], train_step(model3, inputs, seed=1))
 
 
@@ -186,7 +176,7 @@ def test_detach_while_graph_alive(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
     ref = train_step(model, inputs, seed=9)
     model.zero_grad(set_to_none=True)
-    off = _attach(model, tmp_path, engine)
+    off = offload_everything(model, tmp_path, engine)
     torch.manual_seed(9)
     loss = model(*inputs)
     off.scheduler.wait_inflight()
@@ -214,7 +204,7 @@ def test_detach_between_two_backwards_of_a_retained_graph(engine: str, tmp_path)
         return grads_of(model, loss)
 
     ref = run()
-    assert_same(ref, run(lambda: _attach(model, tmp_path, engine)))
+    assert_same(ref, run(lambda: offload_everything(model, tmp_path, engine)))
 
 
 def test_hf_gpt2_bit_identical(engine: str, tmp_path, monkeypatch) -> None:
@@ -234,7 +224,7 @@ def test_hf_gpt2_bit_identical(engine: str, tmp_path, monkeypatch) -> None:
         return grads_of(model, loss)
 
     ref = step()
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert off.layer_names == ["transformer.h.0", "transformer.h.1"]
         assert_same(ref, step())
         assert settled(off).bytes_offloaded > 0

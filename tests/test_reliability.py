@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import ENGINES, MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, tmpfs, train_step, settled
+from models import offload_everything, ENGINES, MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, tmpfs, train_step, settled
 from torch import nn
 
 import gds_offload
@@ -29,16 +29,6 @@ from gds_offload.io.faults import Fault, inject, parse_faults
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 needs_root = pytest.mark.skipif(not is_root(), reason="needs root to mount a tmpfs")
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def _attach(model: nn.Module, path, engine: str = "posix", **kw):
-    kw = {"min_bytes": 0, "keep_last": 0} | kw
-    return gds_offload.attach(model, path=path, mode=engine, **kw)
 
 
 def _offload_warnings(record) -> list[str]:
@@ -58,7 +48,7 @@ def test_full_tmpfs_falls_back_warns_once_and_recovers(tmp_path) -> None:
     ref = train_step(model, inputs)
     with tmpfs(tmp_path / "small", "4m") as small:
         filler = fill(small)
-        with _attach(model, small) as off:
+        with offload_everything(model, small) as off:
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
                 assert_same(ref, train_step(model, inputs))
@@ -85,7 +75,7 @@ def test_striping_skips_the_full_directory(tmp_path) -> None:
     roomy.mkdir()
     with tmpfs(tmp_path / "small", "4m") as small:
         fill(small)
-        with _attach(model, [small, roomy]) as off:
+        with offload_everything(model, [small, roomy]) as off:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no fallback, so no warning
                 assert_same(ref, train_step(model, inputs))
@@ -102,7 +92,7 @@ def test_nearly_full_drive_still_used(tmp_path) -> None:
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
     with tmpfs(tmp_path / "small", "16m") as small:
-        with _attach(model, small) as off:
+        with offload_everything(model, small) as off:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 assert_same(ref, train_step(model, inputs))
@@ -113,7 +103,7 @@ def test_nearly_full_drive_still_used(tmp_path) -> None:
 def test_enospc_on_write_falls_back(engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         faulty = inject(off, Fault("write", "enospc", nth=2, count=3))
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
@@ -134,7 +124,7 @@ def test_on_error_raise(engine: str, tmp_path) -> None:
     OffloadError; the tensor was still in memory, and the next step (no fault) is exact."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine, on_error="raise") as off:
+    with offload_everything(model, tmp_path, engine, on_error="raise") as off:
         inject(off, Fault("write", "eio", nth=1))
         with pytest.raises(OffloadError, match="could not offload .* Input/output error"):
             train_step(model, inputs)
@@ -145,7 +135,7 @@ def test_on_error_raise(engine: str, tmp_path) -> None:
 def test_on_error_raise_surfaces_in_backward(engine: str, tmp_path) -> None:
     """The last write of a forward fails: no pack follows, so the next unpack raises."""
     model, inputs = make("mlp")
-    with _attach(model, tmp_path, engine, on_error="raise") as off:
+    with offload_everything(model, tmp_path, engine, on_error="raise") as off:
         train_step(model, inputs)
         writes = off.engine.stats().writes
         inject(off, Fault("write", "eio", nth=writes))  # the last write of the next forward
@@ -160,7 +150,7 @@ def test_read_failure_while_detaching(engine: str, tmp_path) -> None:
     """detach() reads back what a live graph needs; a failed read does not break detach (threads
     stop, files close) and the error surfaces when backward needs the tensor."""
     model, inputs = make("mlp")
-    off = _attach(model, tmp_path, engine)
+    off = offload_everything(model, tmp_path, engine)
     inject(off, Fault("read", "eio", nth=1))
     loss = model(*inputs).pow(2).mean()
     off.scheduler.wait_inflight()
@@ -174,7 +164,7 @@ def test_read_failure_while_detaching(engine: str, tmp_path) -> None:
 @pytest.mark.parametrize("delay_s", [0.0, 0.3], ids=["failed-before-unpack", "failed-while-waited-for"])
 def test_failed_read_names_layer_tensor_file_offset_and_os_error(delay_s: float, engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         inject(off, Fault("read", "eio", nth=1, delay_s=delay_s))
         with pytest.raises(OffloadError) as ei:
             train_step(model, inputs)
@@ -193,7 +183,7 @@ def test_short_transfer_through_wrapper_never_returns_garbage(op: str, engine: s
     a short read raises instead of returning half-filled memory."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         inject(off, Fault(op, "short", nth=1))
         if op == "write":
             with warnings.catch_warnings(record=True) as rec:
@@ -222,7 +212,7 @@ def test_short_pwrite_and_preadv_retried_to_completion(tmp_path, monkeypatch) ->
         (buf,) = bufs
         return real_preadv(fd, [memoryview(buf)[: half(len(buf))]], offset)
 
-    with _attach(model, tmp_path, "posix") as off:
+    with offload_everything(model, tmp_path, "posix") as off:
         monkeypatch.setattr(os, "pwrite", short_pwrite)
         monkeypatch.setattr(os, "preadv", short_preadv)
         model.zero_grad(set_to_none=True)
@@ -242,7 +232,7 @@ def test_spill_directory_removed_under_the_run(engine: str, tmp_path) -> None:
     d.mkdir()
     model, inputs = make("gpt")
     refs = [train_step(model, inputs, seed=s) for s in range(3)]
-    with _attach(model, d, engine) as off:
+    with offload_everything(model, d, engine) as off:
         assert_same(refs[0], train_step(model, inputs, seed=0))
         shutil.rmtree(d)
         for s in (1, 2):
@@ -272,7 +262,7 @@ def _scribble(slot) -> None:
 
 def test_verify_detects_bytes_changed_on_disk(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
-    with _attach(model, tmp_path, engine, verify=True) as off:
+    with offload_everything(model, tmp_path, engine, verify=True) as off:
         loss = _forward_then_tamper(model, inputs, off, _scribble)
         with pytest.raises(OffloadError) as ei:
             loss.backward()
@@ -289,7 +279,7 @@ def test_without_verify_corruption_goes_undetected(tmp_path) -> None:
     """Documents why verify exists: the same tampering without it silently changes gradients."""
     model, inputs = make("gpt")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path) as off:
+    with offload_everything(model, tmp_path) as off:
         loss = _forward_then_tamper(model, inputs, off, _scribble)
         loss.backward()
         got = grads_of(model, loss)
@@ -298,7 +288,7 @@ def test_without_verify_corruption_goes_undetected(tmp_path) -> None:
 
 def test_truncated_spill_file_raises(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
-    with _attach(model, tmp_path, engine, verify=True) as off:
+    with offload_everything(model, tmp_path, engine, verify=True) as off:
         loss = _forward_then_tamper(model, inputs, off, lambda slot: os.ftruncate(slot.file.fd, 0))
         with pytest.raises(OffloadError, match=f"cannot restore a saved tensor of layer .*{tmp_path}"):
             loss.backward()
@@ -307,7 +297,7 @@ def test_truncated_spill_file_raises(engine: str, tmp_path) -> None:
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_verify_detects_corrupt_transfers(op: str, engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
-    with _attach(model, tmp_path, engine, verify=True) as off:
+    with offload_everything(model, tmp_path, engine, verify=True) as off:
         inject(off, Fault(op, "corrupt", nth=1))
         with pytest.raises(OffloadError, match="corrupt spill slot .* checksum [0-9a-f]{16}, expected [0-9a-f]{16}"):
             train_step(model, inputs)
@@ -316,7 +306,7 @@ def test_verify_detects_corrupt_transfers(op: str, engine: str, tmp_path) -> Non
 def test_verify_exact_when_nothing_is_wrong(engine: str, tmp_path) -> None:
     model, inputs = make("conv")
     ref = train_step(model, inputs)
-    with _attach(model, tmp_path, engine, verify=True) as off:
+    with offload_everything(model, tmp_path, engine, verify=True) as off:
         assert_same(ref, train_step(model, inputs))
         assert settled(off).bytes_read > 0
 
@@ -374,7 +364,7 @@ def test_interrupt_mid_forward_releases_everything(exc: type[BaseException], tmp
     run for BaseExceptions, yet the offloader's saved-tensor hooks must be popped at once."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
-    off = _attach(model, tmp_path)
+    off = offload_everything(model, tmp_path)
 
     def boom(_m, _a, _o):
         raise exc()
@@ -401,7 +391,7 @@ def test_interrupt_mid_forward_releases_everything(exc: type[BaseException], tmp
 def test_detach_during_in_flight_step(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
     ref = train_step(model, inputs)
-    off = _attach(model, tmp_path, engine, max_bandwidth="5MB/s")
+    off = offload_everything(model, tmp_path, engine, max_bandwidth="5MB/s")
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
     loss = model(*inputs)
@@ -445,7 +435,7 @@ def test_ten_thousand_small_tensors_per_step(tmp_path) -> None:
     model = ManySmall(10_000)
     x = torch.randn(10_000, 16)
     ref = train_step(model, x)
-    with _attach(model, tmp_path) as off:
+    with offload_everything(model, tmp_path) as off:
         assert_same(ref, train_step(model, x))
         off.scheduler.wait_inflight()
         assert off.engine.stats().writes >= 10_000
@@ -470,7 +460,7 @@ def test_one_huge_tensor(tmp_path, request: pytest.FixtureRequest) -> None:
     x = torch.randn((9 << 30) // 4 // 4, dtype=torch.float32)  # 2.25 GiB
     model = Scale()
     ref = train_step(model, x, loss_fn=lambda o: o)
-    with _attach(model, tmp_path, layers=[]) as off:
+    with offload_everything(model, tmp_path, layers=[]) as off:
         assert_same(ref, train_step(model, x, loss_fn=lambda o: o))
         st = settled(off)
     assert st.bytes_offloaded >= 2 << 30 and st.bytes_read >= 2 << 30
@@ -510,7 +500,7 @@ def test_two_offloaders_in_one_process_share_a_directory(engine: str, tmp_path) 
     (m1, in1), (m2, in2) = make("gpt"), make("conv")
     refs1 = [train_step(m1, in1, seed=s) for s in range(3)]
     refs2 = [train_step(m2, in2, seed=s) for s in range(3)]
-    with _attach(m1, tmp_path, engine) as o1, _attach(m2, tmp_path, engine) as o2:
+    with offload_everything(m1, tmp_path, engine) as o1, offload_everything(m2, tmp_path, engine) as o2:
         for s in range(3):
             assert_same(refs1[s], train_step(m1, in1, seed=s))
             assert_same(refs2[s], train_step(m2, in2, seed=s))
@@ -527,7 +517,7 @@ def test_two_offloaders_in_one_process_share_a_directory(engine: str, tmp_path) 
 
 def test_threads_joined_on_detach(engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
-    with _attach(model, tmp_path, engine):
+    with offload_everything(model, tmp_path, engine):
         train_step(model, inputs)
         assert [t for t in threading.enumerate() if t.name.startswith("gds_offload-")]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
@@ -577,7 +567,7 @@ def test_sparse_saved_tensor_kept_and_exact(engine: str, tmp_path) -> None:
     dense = torch.randn(48, 64) * (torch.rand(48, 64) < 0.1)
     x = dense.to_sparse()
     ref = train_step(model, x)
-    with _attach(model, tmp_path, engine) as off:
+    with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, train_step(model, x))
         off.scheduler.wait_inflight()
         st = settled(off)
@@ -628,7 +618,7 @@ def test_nested_and_quantized_saved_tensors_kept_and_exact(kind: str, tmp_path) 
     ref = train_step(model, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # prototype/deprecation notices of torch itself
-        with _attach(model, tmp_path) as off:
+        with offload_everything(model, tmp_path) as off:
             assert_same(ref, train_step(model, x))
             off.scheduler.wait_inflight()
             st = settled(off)
@@ -642,5 +632,5 @@ def test_tensor_on_another_device_than_the_model(tmp_path) -> None:
     model = MLP().cuda()
     x = torch.randn(64, 128)
     ref = train_step(model, x.cuda())
-    with _attach(model, tmp_path):
+    with offload_everything(model, tmp_path):
         assert_same(ref, train_step(model, x.cuda()))
