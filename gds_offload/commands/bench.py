@@ -1,0 +1,286 @@
+"""``gds-offload bench``: train one model in several modes, each in its own process, and compare.
+
+Modes (``--modes``, comma-separated): ``keep`` (no offloader), ``offload`` (engine
+``auto``), ``offload:<engine>`` (``posix``, ``compat``, ``host``, ``gds``),
+``offload:*`` (every engine that runs here), ``adaptive`` (``policy="adaptive"``),
+``recompute`` (per-layer activation checkpointing) and ``save_on_cpu`` (CUDA only).
+``auto`` (the default) is ``keep,offload:*,adaptive,recompute`` plus ``save_on_cpu`` on
+a GPU. See :mod:`gds_offload.bench.runner` for how each mode is run and measured.
+
+Models (``--model``): ``gpt`` (the built-in GPT), ``llama`` / ``gpt2`` (Hugging Face
+``LlamaForCausalLM`` / ``GPT2LMHeadModel`` built from a config of the requested size,
+random weights), or ``pkg.module:factory``: a function called with a
+:class:`~gds_offload.bench.runner.ModelSpec` (the sizes below, ``seed`` and ``device``)
+that returns ``(model, batch_fn)`` or ``(model, batch_fn, loss_fn)``, where
+``batch_fn(step: int)`` returns that step's batch (a function of the step only) and the
+loss is ``loss_fn(model, batch)``, else the model's output for the batch (``**dict``,
+``*tuple`` or the object), itself a scalar tensor or with ``.loss``. The module must be
+importable by the child processes (from the current directory or ``PYTHONPATH``). Example::
+
+    gds-offload bench --modes keep,offload:posix,offload:compat,recompute --steps 5
+    gds-offload bench --model llama --layers 8 --hidden 512 --heads 8 --seq 512 --batch 4
+    gds-offload bench --model mypkg.models:make --modes keep,offload
+
+Exit code: 0 when every mode that could run here ran and all losses agree bit for bit
+with ``keep``; 1 when losses disagree or a mode failed (``unavailable`` modes do not count).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+HELP = "benchmark keep / offload / recompute / ... on one model: step time, activation memory, exactness"
+
+DEFAULT_MODES = "auto"
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
+    """The model, size and offloader options ``bench`` and ``demo`` share."""
+    p.add_argument("--model", default="gpt", help="gpt (built-in), llama, gpt2 (HF configs, random weights) or pkg.module:factory (default: gpt)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the device's demo preset)")
+    p.add_argument("--hidden", type=int, default=None, help="model width (default: preset)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default: preset, or hidden/64)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: preset)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: preset)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: preset)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout probability (default: preset)")
+    p.add_argument("--steps", type=int, default=steps, help=f"measured steps (default: {steps})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"warm-up steps before measuring, >= 1 (default: {warmup})")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, batches and dropout (default: 0)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a GPU if there is one) (default: auto)")
+    p.add_argument("--path", default=None, help="spill directory (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
+    p.add_argument("--max-bandwidth", default=None, help="cap the engine, e.g. 500MB/s (imitate a slower drive)")
+    p.add_argument("--keep-last", type=int, default=None, help="layer calls kept in memory at the end (attach default: 1)")
+    p.add_argument("--min-bytes", default=None, help="storages under this stay in memory, e.g. 1MiB (attach default)")
+    p.add_argument("--prefetch-bytes", default=None, help="read-ahead window in backward, e.g. 512MiB (attach default)")
+    p.add_argument("--num-threads", type=int, default=None, help="engine I/O threads (engine default)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a mode's process is killed (default: 1800)")
+    p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step ~30%% slower; see gds_offload.bench.runner)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, steps=5, warmup=2)
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated modes: keep, offload, offload:<engine>, offload:*, adaptive, recompute, save_on_cpu; auto: all that run here (default: auto)")
+    p.add_argument("--policy", default="all", help="attach policy of the offload modes (default: all)")
+    p.add_argument("--out", default="results/bench.json", help="JSON results file; '' for none (default: results/bench.json)")
+    p.add_argument("--plot", default="results/bench.png", help="PNG of step time and memory per mode; '' for none (default: results/bench.png)")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def base_spec(args: argparse.Namespace, device: str) -> Any:
+    """The :class:`~gds_offload.bench.runner.RunSpec` the options describe (mode left as ``keep``).
+
+    Raises:
+        ConfigError: a bad size string or shape.
+    """
+    from gds_offload.bench.gpt import GPTConfig, demo_preset
+    from gds_offload.bench.runner import RunSpec
+    from gds_offload.units import parse_bandwidth, parse_bytes
+
+    preset, preset_batch = demo_preset(device)
+    hidden = args.hidden or preset.hidden
+    heads = args.heads or (preset.heads if args.hidden is None else max(1, hidden // 64))
+    cfg = GPTConfig(
+        layers=args.layers or preset.layers,
+        hidden=hidden,
+        heads=heads,
+        seq=args.seq or preset.seq,
+        vocab=args.vocab or preset.vocab,
+        dropout=preset.dropout if args.dropout is None else args.dropout,
+    )  # validates the shape for every model kind
+    if args.max_bandwidth is not None:
+        parse_bandwidth(args.max_bandwidth, name="--max-bandwidth")
+    return RunSpec(
+        mode="keep",
+        model=args.model,
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        seq=cfg.seq,
+        vocab=cfg.vocab,
+        batch=args.batch or preset_batch,
+        dropout=cfg.dropout,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        device=device,
+        path=str(args.path) if args.path else None,
+        max_bandwidth=args.max_bandwidth,
+        policy=getattr(args, "policy", "all"),
+        keep_last=args.keep_last,
+        min_bytes=None if args.min_bytes is None else parse_bytes(args.min_bytes, name="--min-bytes"),
+        prefetch_bytes=None if args.prefetch_bytes is None else parse_bytes(args.prefetch_bytes, name="--prefetch-bytes"),
+        num_threads=args.num_threads,
+        measure_memory=not args.no_memory,
+    )
+
+
+def select_modes(text: str, device: str, path: str | None) -> list[str]:
+    """``--modes`` expanded (``auto``, ``offload:*``) and validated."""
+    from gds_offload.bench.runner import expand_modes
+
+    if text.strip() == "auto":
+        text = "keep,offload:*,adaptive,recompute" + (",save_on_cpu" if device.startswith("cuda") else "")
+    return expand_modes(text.split(","), device, path)
+
+
+def summarize(results: list[Any]) -> dict[str, Any]:
+    """Ratios to ``keep`` and loss agreement, per mode."""
+    from gds_offload.bench.runner import compare_losses
+
+    agree = compare_losses(results)
+    keep = next((r for r in results if r.mode == "keep" and r.status == "ok"), None)
+    rows = {}
+    for r in results:
+        row: dict[str, Any] = {"status": r.status, "losses_agree": agree.get(r.mode)}
+        if keep is not None and r.status == "ok":
+            row["step_ratio"] = r.median_step_s / keep.median_step_s if keep.median_step_s else None
+            if r.peak_activation_bytes is not None and keep.peak_activation_bytes:
+                row["memory_ratio"] = r.peak_activation_bytes / keep.peak_activation_bytes
+        rows[r.mode] = row
+    checked = [v for v in agree.values() if v is not None]
+    return {
+        "modes": rows,
+        "all_losses_agree": all(checked) if checked else None,
+        "failed": [r.mode for r in results if r.status == "error"],
+        "unavailable": [r.mode for r in results if r.status == "unavailable"],
+    }
+
+
+def _fmt_bytes(n: float | None) -> str:
+    from gds_offload.units import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> None:
+    """The results as a rich table, then one line per mode that did not run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)  # a file or a pipe: no 80-column wrapping
+    table = Table(title=title)
+    for col in ("mode", "step (median)", "x keep", "peak act. mem", "x keep", "tokens/s", "offloaded/step", "dedup/step", "I/O wait/step", "losses = keep"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in results:
+        s = summary["modes"][r.mode]
+        if r.status != "ok":
+            table.add_row(r.mode, f"[red]{r.status}[/]" if r.status == "error" else f"[yellow]{r.status}[/]", *["-"] * 8)
+            continue
+        off = r.offload or {}
+        steps = max(1, off.get("steps", 0) or len(r.step_seconds))
+        agree = s["losses_agree"]
+        table.add_row(
+            r.mode,
+            f"{r.median_step_s:.3f} s",
+            f"{s['step_ratio']:.2f}" if s.get("step_ratio") is not None else "-",
+            _fmt_bytes(r.peak_activation_bytes),
+            f"{s['memory_ratio']:.2f}" if s.get("memory_ratio") is not None else "-",
+            f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
+            _fmt_bytes(off["bytes_offloaded"] / steps) if off else "-",
+            _fmt_bytes(off["bytes_deduplicated"] / steps) if off else "-",
+            f"{off['io_wait_seconds'] / steps:.3f} s" if off else "-",
+            "-" if agree is None else "[green]yes[/]" if agree else "[red]NO[/]",
+        )
+    console.print(table)
+    for r in results:
+        if r.status != "ok":
+            console.print(f"[bold]{r.mode}[/]: {r.error}")
+    if summary["all_losses_agree"] is False:
+        console.print("[red]losses differ between modes (bit-identical expected)[/]")
+        console.print(
+            "[yellow]on a multi-core CPU torch's multi-threaded kernels are not always bit-reproducible between "
+            "processes: two identical runs without the offloader were seen to differ (about 1 run in 10, from the first "
+            "AdamW update of a large tensor; not in 10 runs with OMP_NUM_THREADS=1). Rerun, or check with OMP_NUM_THREADS=1.[/]"
+        )
+
+
+def run_modes(base: Any, modes: list[str], *, timeout_s: float, status: Any = None) -> list[Any]:
+    """Run each mode in its own child process, one after the other."""
+    from gds_offload.bench.runner import run_mode
+
+    results = []
+    for i, mode in enumerate(modes, 1):
+        label = f"[{i}/{len(modes)}] {mode}"
+
+        def on_event(ev: dict[str, Any], label: str = label) -> None:
+            if status is not None and ev.get("event") == "step":
+                status.update(f"{label}: {ev['phase']} step {ev['step'] + 1}/{base.warmup + base.steps} ({ev['step_s']:.2f} s)")
+
+        if status is not None:
+            status.update(f"{label}: starting")
+        results.append(run_mode(replace(base, mode=mode, progress=status is not None), on_event=on_event, timeout_s=timeout_s))
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gds_offload.bench.machine import describe_machine
+    from gds_offload.errors import ConfigError
+
+    device = resolve_device(args.device)
+    try:
+        base = base_spec(args, device)
+        modes = select_modes(args.modes, device, base.path)
+    except (ConfigError, ValueError) as exc:
+        print(f"gds-offload bench: {exc}", file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    started = time.time()
+    if args.json:
+        results = run_modes(base, modes, timeout_s=args.timeout)
+    else:
+        with console.status("starting") as status:
+            results = run_modes(base, modes, timeout_s=args.timeout, status=status)
+    summary = summarize(results)
+    doc = {
+        "command": shlex.join(sys.argv),
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_s": time.time() - started,
+        "spec": asdict(base) | {"mode": None, "progress": None},
+        "modes": modes,
+        "machine": describe_machine(base.path).as_dict(),
+        "summary": summary,
+        "results": [r.as_dict() for r in results],
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        try:
+            from gds_offload.bench.plot import plot_results
+
+            m = doc["machine"]
+            title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
+                     f"({m['cpu_usable']} CPUs{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
+            plot_results(results, args.plot, title=title)
+        except ImportError as exc:
+            console.print(f"[yellow]no plot: {exc}[/]")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        title = f"gds-offload bench: {base.model} layers={base.layers} hidden={base.hidden} seq={base.seq} batch={base.batch} on {device}"
+        render_table(results, summary, title=title)
+        if args.out:
+            Console().print(f"results: {args.out}" + (f", plot: {args.plot}" if args.plot else ""))
+    bad = summary["failed"] or summary["all_losses_agree"] is False
+    return 1 if bad else 0

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks: :mod:`gds_offload.integrations.transformers` (Hugging Face ``Trainer``)."""

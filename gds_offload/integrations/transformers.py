@@ -1,0 +1,128 @@
+"""Hugging Face ``Trainer`` integration: :class:`OffloadCallback`.
+
+Usage::
+
+    from transformers import Trainer
+    from gds_offload.integrations.transformers import OffloadCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[OffloadCallback(path="/mnt/nvme/spill")])
+    trainer.train()
+
+The callback attaches the offloader when training begins (``on_train_begin``), adds its
+counters to every log entry (``on_log``; keys prefixed ``gds_offload/``) and detaches
+when training ends (``on_train_end``). Layers are found by
+:func:`gds_offload.layers.find_layers` (``model.layers.N`` for Llama, ``transformer.h.N``
+for GPT-2). ``model.gradient_checkpointing_enable()`` works alongside: the checkpointed
+layers save (almost) nothing, so only what lies outside them is offloaded.
+
+.. note:: Log order
+   ``Trainer`` runs its reporting integrations (``report_to``: TensorBoard, W&B, ...)
+   before user callbacks, so they log an entry before this callback adds its figures.
+   The figures still land in ``trainer.state.log_history`` and in what later callbacks
+   (and the console printer) see. For the reporters to get them too, install the
+   callback first: :meth:`OffloadCallback.install`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from transformers import TrainerCallback
+
+from gds_offload.errors import ConfigError
+from gds_offload.offloader import Offloader, attach
+from gds_offload.stats import OffloadStats
+
+__all__ = ["OffloadCallback", "LOG_PREFIX"]
+
+#: Prefix of the keys this callback adds to the trainer's logs.
+LOG_PREFIX = "gds_offload/"
+
+_LOGGED = (
+    "steps",
+    "bytes_packed",
+    "bytes_offloaded",
+    "bytes_deduplicated",
+    "bytes_forwarded",
+    "bytes_read",
+    "bytes_kept",
+    "bytes_fallback",
+    "peak_resident_bytes",
+    "resident_bytes",
+    "write_seconds",
+    "read_seconds",
+    "io_wait_seconds",
+    "stalls",
+)
+
+
+class OffloadCallback(TrainerCallback):
+    """Offload activations to NVMe for the duration of ``Trainer.train()``.
+
+    Args:
+        **attach_kwargs: passed to :func:`gds_offload.attach` (``path``, ``mode``,
+            ``policy``, ``min_bytes``, ...). Checked against its signature here, so a typo
+            fails when the callback is created, not when training starts.
+
+    Attributes:
+        offloader: the attached :class:`~gds_offload.Offloader` while training, else None.
+        final_stats: the offloader's :class:`~gds_offload.OffloadStats` at the end of the
+            last training run (None before one ended).
+
+    Raises:
+        ConfigError: an argument :func:`gds_offload.attach` does not take.
+    """
+
+    def __init__(self, **attach_kwargs: Any) -> None:
+        params = inspect.signature(attach).parameters
+        unknown = sorted(k for k in attach_kwargs if k not in params or k == "model")
+        if unknown:
+            allowed = ", ".join(k for k in params if k != "model")
+            raise ConfigError(f"OffloadCallback got {unknown}, which attach() does not take; allowed: {allowed}")
+        self.attach_kwargs = attach_kwargs
+        self.offloader: Offloader | None = None
+        self.final_stats: OffloadStats | None = None
+
+    @classmethod
+    def install(cls, trainer: Any, **attach_kwargs: Any) -> OffloadCallback:
+        """Create the callback and put it *first* in ``trainer``'s callbacks, so the reporting
+        integrations see its figures in the same log entry. Returns the callback."""
+        callback = cls(**attach_kwargs)
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
+
+    def figures(self) -> dict[str, float | int]:
+        """The offloader's counters since it was attached, as ``{"gds_offload/<name>": number}``."""
+        if self.offloader is None:
+            return {}
+        s = self.offloader.stats()
+        out: dict[str, float | int] = {LOG_PREFIX + k: getattr(s, k) for k in _LOGGED}
+        out[LOG_PREFIX + "gds"] = int(s.gds)
+        e = self.offloader.engine.stats()
+        out[LOG_PREFIX + "write_gbps"] = e.write_gbps()
+        out[LOG_PREFIX + "read_gbps"] = e.read_gbps()
+        return out
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is None:
+            raise ConfigError("OffloadCallback.on_train_begin got no model from the Trainer; pass model= to Trainer")
+        if self.offloader is not None:  # a previous train() ended without on_train_end
+            self.offloader.detach()
+        self.offloader = attach(model, **self.attach_kwargs)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        figures = self.figures()
+        if not figures or logs is None:
+            return
+        logs.update(figures)
+        last = state.log_history[-1] if state.log_history else None
+        if isinstance(last, dict) and last.get("step") == state.global_step and all(k in last for k in logs if k not in figures):
+            last.update(figures)  # Trainer appended this entry just before calling on_log
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.offloader is None:
+            return
+        self.final_stats = self.offloader.stats()
+        self.offloader.detach()
+        self.offloader = None

@@ -1,0 +1,233 @@
+"""The benchmark suite: the per-mode child-process runner, ``gds-offload bench`` and
+``demo``, the plot, the machine description, and the examples (each run as a script).
+
+Sizes are tiny: these tests check that every piece runs and that the modes compute
+bit-identical losses; the performance figures come from running the commands.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gds_offload.bench.gpt import GPTConfig, make_gpt, synthetic_batch
+from gds_offload.bench.machine import describe_machine
+from gds_offload.bench.runner import (
+    RunResult,
+    RunSpec,
+    compare_losses,
+    expand_modes,
+    parse_mode,
+    run_here,
+    run_mode,
+)
+from gds_offload.cli import main
+from gds_offload.io.kvikio_engine import kvikio_status
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(layers=2, hidden=64, heads=2, seq=64, vocab=256, batch=2, steps=2, warmup=1, min_bytes=0, dropout=0.1)
+TINY_ARGS = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "256", "--batch", "2",
+             "--steps", "2", "--warmup", "1", "--min-bytes", "0"]
+
+
+def _quiet(_event: dict) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------- runner (child processes)
+def test_modes_in_child_processes_agree_bit_for_bit(tmp_path) -> None:
+    base = RunSpec("keep", path=str(tmp_path), progress=True, **TINY)
+    events: list[dict] = []
+    results = [run_mode(replace(base, mode=m), on_event=events.append, timeout_s=300) for m in ("keep", "offload:posix", "recompute")]
+    for r in results:
+        assert r.status == "ok", r.error
+        assert len(r.losses_hex) == 3 and len(r.step_seconds) == 2 and r.median_step_s > 0
+        assert r.peak_activation_bytes is not None and r.memory_source.startswith("VmHWM")
+        assert r.returncode == 0
+    keep, off, rec = results
+    assert compare_losses(results) == {"keep": True, "offload:posix": True, "recompute": True}
+    assert off.engine == "posix" and off.gds is False
+    assert off.offload["bytes_offloaded"] > 0 and off.offload["steps"] == 2  # measured steps only
+    assert off.layer_names == rec.layer_names == ["blocks.0", "blocks.1"]
+    assert keep.offload is None and keep.engine is None
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["phase"] for e in steps[:3]] == ["warmup", "measure", "measure"]
+    assert "offload" in steps[3] and steps[4]["offload"]["peak_resident_bytes"] > 0
+
+
+def test_failing_child_is_an_error_row() -> None:
+    r = run_mode(RunSpec("keep", model="no_such_module_xyz:make", **TINY), timeout_s=120)
+    assert r.status == "error" and "no_such_module_xyz" in r.error and r.returncode == 1
+
+
+def test_killed_child_is_an_error_row() -> None:
+    r = run_mode(RunSpec("keep", **(TINY | {"steps": 10_000})), timeout_s=4)
+    assert r.status == "error" and "timed out" in r.error
+
+
+# ---------------------------------------------------------------------- runner (in this process)
+@pytest.mark.parametrize("mode", ["offload:host"] + (["offload:compat"] if kvikio_status()[0] else []))
+def test_other_engines_in_process(mode: str, tmp_path) -> None:
+    keep = run_here(RunSpec("keep", **TINY), emit=_quiet)
+    got = run_here(RunSpec(mode, path=str(tmp_path), measure_memory=False, **TINY), emit=_quiet)
+    assert got.losses_hex == keep.losses_hex and got.params_digest == keep.params_digest
+    assert got.offload["bytes_offloaded"] > 0
+    assert got.peak_activation_bytes is None and got.memory_source.startswith("not measured")
+
+
+def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:
+    from gds_offload.bench.runner import Unavailable
+
+    try:
+        got = run_here(RunSpec("adaptive", path=str(tmp_path), **TINY), emit=_quiet)
+    except Unavailable as exc:
+        assert "adaptive" in str(exc)
+        return
+    assert got.losses_hex == run_here(RunSpec("keep", **TINY), emit=_quiet).losses_hex
+
+
+def test_save_on_cpu_needs_cuda() -> None:
+    from gds_offload.bench.runner import Unavailable
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: save_on_cpu runs there")
+    with pytest.raises(Unavailable, match="needs --device cuda"):
+        run_here(RunSpec("save_on_cpu", **TINY), emit=_quiet)
+
+
+def test_hf_models_by_name() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    for name, first in (("llama", "model.layers.0"), ("gpt2", "transformer.h.0")):
+        spec = RunSpec("recompute", model=name, **TINY)
+        got = run_here(spec, emit=_quiet)
+        assert got.layer_names[0] == first
+        assert got.losses_hex == run_here(replace(spec, mode="keep"), emit=_quiet).losses_hex
+
+
+# A user factory for --model test_bench:<name> (the factory contract).
+def factory_pair(spec):
+    cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = make_gpt(cfg, seed=spec.seed)
+
+        def forward(self, tokens):
+            logits = self.gpt(tokens[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    return WithLoss(), lambda step: synthetic_batch(cfg, spec.batch, seed=step)
+
+
+def factory_triple(spec):
+    from gds_offload.bench.gpt import lm_loss
+
+    cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)
+    return make_gpt(cfg, seed=spec.seed), lambda step: synthetic_batch(cfg, spec.batch, seed=step), lm_loss
+
+
+def test_user_factory_contract(tmp_path) -> None:
+    a = run_here(RunSpec("offload:posix", model=f"{__name__}:factory_pair", path=str(tmp_path), **TINY), emit=_quiet)
+    b = run_here(RunSpec("keep", model=f"{__name__}:factory_triple", **TINY), emit=_quiet)
+    assert a.layer_names == ["gpt.blocks.0", "gpt.blocks.1"]
+    assert a.losses_hex == b.losses_hex
+
+
+def test_mode_parsing() -> None:
+    assert parse_mode("offload") == ("offload", "auto")
+    assert parse_mode("offload:posix") == ("offload", "posix")
+    assert parse_mode("recompute") == ("recompute", None)
+    assert parse_mode("adaptive") == ("adaptive", "auto") and parse_mode("adaptive:posix") == ("adaptive", "posix")
+    with pytest.raises(ValueError, match="offload:<auto"):
+        parse_mode("offload:nvme")
+    with pytest.raises(ValueError, match="unknown"):
+        parse_mode("keepall")
+    modes = expand_modes(["keep", "offload:*", "keep", "recompute"], "cpu", None)
+    assert modes[0] == "keep" and modes[-1] == "recompute" and "offload:posix" in modes and "offload:host" in modes
+    assert "offload:gds" not in modes and len(modes) == len(set(modes))
+
+
+def test_compare_losses_flags_a_difference() -> None:
+    ok = dict(status="ok", losses_hex=["0x1.0p+0"], params_digest="d")
+    rows = [RunResult("keep", **ok), RunResult("a", **ok), RunResult("b", **(ok | {"losses_hex": ["0x1.1p+0"]})),
+            RunResult("c", **(ok | {"params_digest": "e"})), RunResult("d", status="error")]
+    assert compare_losses(rows) == {"keep": True, "a": True, "b": False, "c": False, "d": None}
+
+
+# ---------------------------------------------------------------------- commands
+def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
+    out, png = tmp_path / "r" / "bench.json", tmp_path / "r" / "bench.png"
+    rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:host", "--path", str(tmp_path),
+               "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["modes"] == ["keep", "offload:host"] and "bench" in doc["command"]
+    assert doc["summary"]["all_losses_agree"] is True
+    assert doc["summary"]["modes"]["offload:host"]["step_ratio"] > 0
+    assert doc["machine"]["cpu_cores"] >= 1 and doc["machine"]["torch"] == torch.__version__
+    assert [r["status"] for r in doc["results"]] == ["ok", "ok"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "offload:host" in text and "yes" in text
+
+
+def test_bench_command_rejects_unknown_mode(capsys) -> None:
+    assert main(["bench", "--modes", "keep,teleport", "--out", "", "--plot", ""]) == 2
+    assert "teleport" in capsys.readouterr().err
+
+
+def test_demo_command(tmp_path, capsys) -> None:
+    rc = main(["demo", *TINY_ARGS, "--mode", "host", "--path", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "loss curves agree" in text and "yes" in text and "I/O hidden behind compute" in text
+
+
+def test_io_hidden_fraction() -> None:
+    from gds_offload.commands.demo import io_hidden_fraction
+
+    assert io_hidden_fraction({"write_seconds": 1.0, "read_seconds": 1.0, "io_wait_seconds": 0.5}) == 0.75
+    assert io_hidden_fraction({"write_seconds": 0.0, "read_seconds": 0.0, "io_wait_seconds": 0.0}) is None
+    assert io_hidden_fraction({"write_seconds": 0.1, "read_seconds": 0.1, "io_wait_seconds": 1.0}) == 0.0
+
+
+# ---------------------------------------------------------------------- plot, machine
+def test_plot_from_dicts(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    from gds_offload.bench.plot import plot_results
+
+    rows = [
+        {"mode": "keep", "status": "ok", "median_step_s": 1.0, "peak_activation_bytes": 2 << 30},
+        {"mode": "offload:posix", "status": "ok", "median_step_s": 1.1, "peak_activation_bytes": 1 << 29},
+        {"mode": "adaptive", "status": "unavailable"},
+    ]
+    out = plot_results(rows, tmp_path / "x" / "p.png")
+    assert out.stat().st_size > 1000
+
+
+def test_machine_description(tmp_path) -> None:
+    m = describe_machine(tmp_path)
+    assert m.cpu_cores and m.ram_bytes and m.path == str(tmp_path)
+    assert m.filesystem  # from /proc/mounts
+    json.dumps(m.as_dict())
+
+
+# ---------------------------------------------------------------------- examples
+@pytest.mark.parametrize("script", ["train_loop.py", "grad_accumulation.py", "amp_bf16.py", "hf_trainer.py"])
+def test_example_runs(script: str, tmp_path) -> None:
+    if script == "hf_trainer.py":
+        pytest.importorskip("transformers", reason="transformers is not installed")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--steps", "2", "--path", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "offloaded" in proc.stdout
