@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    #: The command line as given, recorded in result files so a figure names its command.
+    args.command_line = "gds-offload " + shlex.join(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

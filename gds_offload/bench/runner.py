@@ -553,8 +553,8 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     if spec.warmup < 1 or spec.steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={spec.warmup} steps={spec.steps}")
     cuda = spec.device.startswith("cuda")
-    if cuda:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    # Modes are compared bit for bit across processes: ask torch for its deterministic kernels.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if kind == "save_on_cpu" and not cuda:
         raise Unavailable("save_on_cpu moves CUDA activations to host memory; it needs --device cuda")
     result = RunResult(spec.mode, model=spec.model, device=spec.device, tokens_per_step=spec.tokens_per_step)

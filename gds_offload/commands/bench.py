@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             results = run_modes(base, modes, timeout_s=args.timeout, status=status)
     summary = summarize(results)
     doc = {
-        "command": shlex.join(sys.argv),
+        "command": getattr(args, "command_line", shlex.join(sys.argv)),
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -107,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     facts = rok.findings(points)
     document = {
         "schema": "gds-offload-rok/1",
-        "command": "gds-offload rok " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": args.command_line,
         "base": base.__dict__,
         "wall_s": wall,
         "points": [p.__dict__ for p in points],
