@@ -289,8 +289,12 @@ class Scheduler:
                 self._raise_pending_error()
         self._note_backward(entry.forward_id)
         data = self._bytes_of(entry, handle)
+        # A read buffer may start part-way into its allocation (Engine.empty); the engines keep
+        # that offset a multiple of 64 bytes, so of every element size.
+        start, rest = divmod(data.storage_offset(), handle.dtype.itemsize)
+        assert rest == 0, f"read buffer at byte {data.storage_offset()} is not aligned for {handle.dtype}"
         out = torch.empty(0, dtype=handle.dtype, device=data.device).set_(
-            data.untyped_storage(), handle.offset, handle.size, handle.stride
+            data.untyped_storage(), start + handle.offset, handle.size, handle.stride
         )
         with self._lock:
             if not handle.unpacked:
@@ -340,7 +344,7 @@ class Scheduler:
             layer.bytes_kept += nbytes
             return entry
         try:
-            entry.slot = self.store.allocate(nbytes)
+            entry.slot = self.store.allocate(self.engine.slot_bytes(nbytes, t.device))
         except SpillSpaceError as exc:
             self._write_failed(entry, exc)
             return entry
@@ -502,7 +506,7 @@ class Scheduler:
     def _issue_read(self, entry: _Entry) -> None:
         # Caller holds the lock; entry has no bytes in memory.
         assert entry.slot is not None, "an entry without bytes in memory has a slot"
-        dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+        dst = self.engine.empty(entry.nbytes, entry.slot, entry.device)
         ready = None
         if dst.device.type == "cuda":
             # The allocator may hand out memory a queued kernel still reads: let that finish first.

@@ -17,6 +17,7 @@ from gds_offload.io import choose_engine, make_engine, validate_mode
 from gds_offload.io import posix as posix_mod
 from gds_offload.io import select as select_mod
 from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.pages import HostBufferPool, empty_like_head, span_bytes
 from gds_offload.store import ALIGN, Slot, SpillStore
 from gds_offload.units import parse_bandwidth
 
@@ -165,6 +166,137 @@ def test_engine_reused_with_a_new_store_writes_to_the_new_file(mode: str, spill_
             second.close()
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------ zero-copy page spans
+def _at_head(nbytes: int, head: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, view): ``view`` is ``nbytes`` of ``raw`` starting ``head`` bytes into a page."""
+    raw = torch.full((nbytes + 3 * ALIGN,), fill, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw, raw[skip + head : skip + head + nbytes]
+
+
+@pytest.mark.parametrize("mode", FILE_ENGINE_MODES)
+@pytest.mark.parametrize("head", [0, 64, 4032])
+def test_host_tensors_move_as_whole_pages(mode: str, head: int, spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An O_DIRECT write of a host tensor part-way into a page goes straight from its pages:
+    the bytes land ``head`` into the slot, and a buffer from ``engine.empty`` is read in place."""
+    engine = make_engine(mode)
+    store = SpillStore([spill_dir])
+    try:
+        assert store.files[0].direct
+        n = 3 * (8 << 20) + 12_345  # more than one posix chunk, not a page multiple
+        _, src = _at_head(n, head, 0)
+        src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(head)))
+        slot = store.allocate(engine.slot_bytes(n, src.device))
+        if mode == "posix":  # zero-copy: the bounce buffers must not be touched
+            monkeypatch.setattr(engine, "_bounce", lambda: pytest.fail("a bounce buffer was used"))
+        assert engine.write(src, slot).wait(60) == n
+        assert engine.data_offset(slot) == slot.offset + head
+        fd = os.open(f"/proc/self/fd/{slot.file.fd}", os.O_RDONLY)  # buffered: any offset and length
+        try:
+            on_disk = os.pread(fd, n, engine.data_offset(slot))
+        finally:
+            os.close(fd)
+        assert on_disk == bytes(src.numpy()), "the file holds other bytes at data_offset"
+        dst = engine.empty(n, slot, src.device)
+        assert dst.data_ptr() % ALIGN == head and dst.storage_offset() % 64 == 0
+        assert engine.read(dst, slot).wait(60) == n
+        assert torch.equal(dst, src)
+        engine.release(slot)
+        assert engine.data_offset(slot) == slot.offset
+    finally:
+        engine.close()
+        store.close()
+
+
+@pytest.mark.parametrize("mode", FILE_ENGINE_MODES)
+def test_reading_pages_into_a_foreign_buffer_touches_only_its_bytes(mode: str, spill_dir: Path) -> None:
+    """A read into a buffer whose page span is not its own (not from ``engine.empty``) must not
+    write a byte outside it: the engine reads the pages elsewhere and copies."""
+    engine = make_engine(mode)
+    store = SpillStore([spill_dir])
+    try:
+        n = (1 << 20) + 3
+        _, src = _at_head(n, 640, 0)
+        src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+        slot = store.allocate(engine.slot_bytes(n, src.device))
+        engine.write(src, slot).wait(60)
+        raw, dst = _at_head(n, 100, 0xAB)  # another head, neighbours inside the same pages
+        assert engine.read(dst, slot).wait(60) == n
+        assert torch.equal(dst, src)
+        outside = torch.cat([raw[: dst.storage_offset()], raw[dst.storage_offset() + n :]])
+        assert bool((outside == 0xAB).all()), "the read wrote outside its buffer"
+    finally:
+        engine.close()
+        store.close()
+
+
+@pytest.mark.parametrize("mode", FILE_ENGINE_MODES)
+def test_unaligned_or_too_big_spans_take_the_copying_path(mode: str, spill_dir: Path) -> None:
+    """A tensor starting at an odd address, or whose span does not fit its slot, still round-trips."""
+    engine = make_engine(mode)
+    store = SpillStore([spill_dir])
+    try:
+        n = 200_000
+        for head, slot_bytes in ((1, engine.slot_bytes(n, torch.device("cpu"))), (4032, n)):
+            _, src = _at_head(n, head, 0)
+            src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(head)))
+            slot = store.allocate(slot_bytes)
+            engine.write(src, slot).wait(60)
+            assert engine.data_offset(slot) == slot.offset, "no page span: the bytes start at the slot"
+            dst = engine.empty(n, slot, src.device)
+            engine.read(dst, slot).wait(60)
+            assert torch.equal(dst, src)
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_read_buffers_are_reused_once_freed_and_the_idle_pool_is_capped() -> None:
+    pool = HostBufferPool(max_idle_bytes=3 * span_bytes(1 << 20))
+    a = empty_like_head(1 << 20, 128, pool)
+    ptr = a.untyped_storage().data_ptr()
+    assert a.data_ptr() % ALIGN == 128 and (pool.mapped, pool.reused) == (1, 0)
+    view = a[10:20].view(torch.int16)  # a view keeps the buffer in use
+    del a
+    b = empty_like_head(1 << 20, 0, pool)
+    assert b.untyped_storage().data_ptr() != ptr, "a buffer still viewed was handed out again"
+    del view
+    c = empty_like_head(1 << 20, 64, pool)
+    assert c.untyped_storage().data_ptr() == ptr and pool.reused == 1 and pool.idle_bytes == 0
+    bufs = [empty_like_head(1 << 20, 0, pool) for _ in range(5)]
+    del b, c, bufs
+    assert pool.idle_bytes == 3 * span_bytes(1 << 20), "idle buffers beyond the cap are unmapped"
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+@pytest.mark.parametrize("mode", FILE_ENGINE_MODES)
+def test_a_read_buffer_dropped_mid_read_is_not_reused_before_the_read_ends(mode: str, spill_dir: Path) -> None:
+    """The caller may drop its reference while the read is in flight (autograd freed the
+    handle); the engine holds the buffer, so the pool cannot hand it to another read."""
+    engine = make_engine(mode, max_bandwidth=parse_bandwidth("40MB/s"))  # a read of 8 MiB takes ~0.2 s
+    store = SpillStore([spill_dir])
+    try:
+        n = 8 << 20
+        src = torch.ones(n, dtype=torch.uint8)
+        slots = [store.allocate(engine.slot_bytes(n, src.device)) for _ in range(2)]
+        for slot in slots:
+            engine.write(src, slot).wait(60)
+        dst = engine.empty(n, slots[0], src.device)
+        ptr = dst.untyped_storage().data_ptr()
+        first = engine.read(dst, slots[0])
+        del dst
+        other = engine.empty(n, slots[1], src.device)
+        assert not first.done(), "the read ended too soon to test anything"
+        assert other.untyped_storage().data_ptr() != ptr, "a buffer was handed out while a read was landing in it"
+        engine.read(other, slots[1]).wait(60)
+        first.wait(60)
+        assert torch.equal(other, src)
+    finally:
+        engine.close()
+        store.close()
 
 
 # -------------------------------------------------------------------------------- short I/O

@@ -250,14 +250,14 @@ def _forward_then_tamper(model, inputs, off, tamper) -> torch.Tensor:
     live = [e for e in off.scheduler._slotted if e.handles and e.source is None]
     assert live, "some tensor is only on disk"
     victim = max(live, key=lambda e: e.nbytes)
-    tamper(victim.slot)
+    tamper(off.engine.data_offset(victim.slot), victim.slot)
     return out if out.dim() == 0 else out.float().pow(2).mean()
 
 
-def _scribble(slot) -> None:
+def _scribble(data_offset: int, slot) -> None:
     # Another writer (root can) changes bytes of a live slot through /proc/<pid>/fd.
     with open(f"/proc/{os.getpid()}/fd/{slot.file.fd}", "r+b", buffering=0) as fh:
-        os.pwrite(fh.fileno(), b"\xff" * 256, slot.offset)
+        os.pwrite(fh.fileno(), b"\xff" * 256, data_offset)
 
 
 def test_verify_detects_bytes_changed_on_disk(engine: str, tmp_path) -> None:
@@ -289,7 +289,7 @@ def test_without_verify_corruption_goes_undetected(tmp_path) -> None:
 def test_truncated_spill_file_raises(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
     with offload_everything(model, tmp_path, engine, verify=True) as off:
-        loss = _forward_then_tamper(model, inputs, off, lambda slot: os.ftruncate(slot.file.fd, 0))
+        loss = _forward_then_tamper(model, inputs, off, lambda _, slot: os.ftruncate(slot.file.fd, 0))
         with pytest.raises(OffloadError, match=f"cannot restore a saved tensor of layer .*{tmp_path}"):
             loss.backward()
 

@@ -273,8 +273,8 @@ def measure_engine(
 
     Each repeat uses a fresh :class:`~gds_offload.store.SpillStore` in ``path`` with every slot
     allocated before the clock starts (as after a training run's first step). The write phase
-    submits every write and then waits for all; the read phase likewise, into pre-faulted
-    destination tensors. GB/s is bytes / wall time of the phase (1e9 bytes per second); with
+    submits every write and then waits for all; the read phase likewise, into the buffers the
+    offloader reads into (:meth:`~gds_offload.io.base.Engine.empty`), faulted in before the clock. GB/s is bytes / wall time of the phase (1e9 bytes per second); with
     several repeats the median is reported. Sources are cycled from a pool of distinct random
     tensors of at most :data:`SOURCE_POOL_BYTES`.
 
@@ -309,7 +309,6 @@ def measure_engine(
     gen = torch.Generator().manual_seed(0)
     pool = min(count, max(1, SOURCE_POOL_BYTES // tensor_bytes))
     sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen) for _ in range(pool)]
-    dsts = [torch.zeros(tensor_bytes, dtype=torch.uint8) for _ in range(count)]  # pre-faulted
     engine = _make(mode, num_threads, chunk_bytes)
     writes: list[float] = []
     reads: list[float] = []
@@ -318,7 +317,8 @@ def measure_engine(
         for _ in range(repeats):
             store = SpillStore([Path(path)] if engine.needs_files else [])
             try:
-                slots = [store.allocate(tensor_bytes) for _ in range(count)]
+                cpu = torch.device("cpu")
+                slots = [store.allocate(engine.slot_bytes(tensor_bytes, cpu)) for _ in range(count)]
                 _drop_cache(store.files)
                 t0 = time.perf_counter()
                 futures = [engine.write(sources[i % pool], slots[i]) for i in range(count)]
@@ -327,8 +327,8 @@ def measure_engine(
                 writes.append(total / (time.perf_counter() - t0) / 1e9)
                 cached_w = max(cached_w, _cached(store.files))
                 _drop_cache(store.files)
-                for d in dsts[:: max(1, count // VERIFY_SAMPLES)]:
-                    d.zero_()
+                # The buffers the offloader reads into (Engine.empty), faulted in before the clock.
+                dsts = [engine.empty(tensor_bytes, slot, cpu).zero_() for slot in slots]
                 t0 = time.perf_counter()
                 futures = [engine.read(dsts[i], slots[i]) for i in range(count)]
                 for f in futures:

@@ -40,6 +40,15 @@ every mode.
    switched inside one process: once glibc's heap holds large free blocks it serves
    later requests from them whatever the threshold (measured: ``mallopt`` plus
    ``malloc_trim`` after the warm-up left the peak of keep at 1.73 instead of 1.47 GiB).
+
+.. note:: Bit-identical across processes
+   Children run with ``MKL_CBWR=AUTO,STRICT`` (unless the environment sets ``MKL_CBWR``):
+   MKL's conditional numerical reproducibility, strict mode. Without it, MKL's CPU
+   kernels gave different last bits in different processes: on the 2-core test VM, 7
+   runs of the demo model (4 of them without the offloader) ended with 3 different sets
+   of weights; with it, 9 runs (keep, posix and compat offload) ended bit-identical.
+   It costs a few percent of every mode's step time (keep: 3.60 s without, 3.67 and
+   3.83 s with, in separate runs).
 """
 from __future__ import annotations
 
@@ -282,6 +291,14 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 
 
 # ---------------------------------------------------------------------- parent side
+#: Printed by ``bench`` and ``demo`` when modes disagree.
+LOSSES_DIFFER_NOTE = (
+    "modes run in separate processes with MKL_CBWR=AUTO,STRICT so that torch's CPU kernels give the same bits in "
+    "each (see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
+    "stays is the offloader's, and a bug; please report it with the JSON file."
+)
+
+
 def run_mode(
     spec: RunSpec,
     *,
@@ -300,6 +317,7 @@ def run_mode(
     """
     cmd = [python or sys.executable, "-m", "gds_offload.bench.runner", "--spec", spec.to_json()]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # see the module doc: bit-identical across processes
     if spec.measure_memory and not spec.device.startswith("cuda"):
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     else:

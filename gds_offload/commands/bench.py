@@ -204,11 +204,11 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: {r.error}")
     if summary["all_losses_agree"] is False:
+        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE
+
         console.print("[red]losses differ between modes (bit-identical expected)[/]")
         console.print(
-            "[yellow]on a multi-core CPU torch's multi-threaded kernels are not always bit-reproducible between "
-            "processes: two identical runs without the offloader were seen to differ (about 1 run in 10, from the first "
-            "AdamW update of a large tensor; not in 10 runs with OMP_NUM_THREADS=1). Rerun, or check with OMP_NUM_THREADS=1.[/]"
+            f"[yellow]{LOSSES_DIFFER_NOTE}[/]"
         )
 
 

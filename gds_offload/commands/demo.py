@@ -188,10 +188,8 @@ def run(args: argparse.Namespace) -> int:
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: [red]{r.status}[/] {r.error}")
     if agree is False:
-        console.print(
-            "[yellow]Note: on a multi-core CPU torch's multi-threaded kernels are not always bit-reproducible between "
-            "processes: two identical runs without the offloader were seen to differ (about 1 run in 10, from the first "
-            "AdamW update of a large tensor; not in 10 runs with OMP_NUM_THREADS=1). Rerun, or check with OMP_NUM_THREADS=1.[/]"
-        )
+        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE
+
+        console.print(f"[yellow]Note: {LOSSES_DIFFER_NOTE}[/]")
     failed = any(r.status != "ok" for r in results)
     return 1 if failed or agree is False else 0

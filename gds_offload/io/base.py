@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 from gds_offload.errors import OffloadError
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from gds_offload.io.limits import TokenBucket
     from gds_offload.store import Slot
 
@@ -136,6 +136,24 @@ class Engine(ABC):
         """
         self._check_args(dst, slot)
         return self._track("read", dst.numel(), lambda: self._submit_read(dst, slot, ready))
+
+    def slot_bytes(self, nbytes: int, device: torch.device) -> int:
+        """Bytes of spill store to allocate for a write of ``nbytes`` from ``device``
+        (engines that move whole pages need up to a page more)."""
+        return nbytes
+
+    def empty(self, nbytes: int, slot: Slot, device: torch.device) -> torch.Tensor:
+        """A new uint8 buffer for reading ``slot`` back: the one :meth:`read` fills fastest.
+
+        Any contiguous uint8 tensor of ``nbytes`` works with :meth:`read`; this one may be a
+        view part-way into a larger allocation (see :mod:`gds_offload.io.pages`).
+        """
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def data_offset(self, slot: Slot) -> int:
+        """File offset of the first byte written to ``slot`` (engines that move whole pages
+        may place it part-way into the slot)."""
+        return slot.offset
 
     def release(self, slot: Slot) -> None:
         """The slot's bytes are no longer needed (engines that hold memory per slot free it)."""

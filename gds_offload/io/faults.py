@@ -137,6 +137,15 @@ class FaultyEngine(Engine):
     def release(self, slot: Slot) -> None:
         self.inner.release(slot)
 
+    def slot_bytes(self, nbytes: int, device: torch.device) -> int:
+        return self.inner.slot_bytes(nbytes, device)
+
+    def data_offset(self, slot: Slot) -> int:
+        return self.inner.data_offset(slot)
+
+    def empty(self, nbytes: int, slot: Slot, device: torch.device) -> torch.Tensor:
+        return self.inner.empty(nbytes, slot, device)
+
     def close(self) -> None:
         super().close()
         self._pool.shutdown(wait=True)

@@ -18,10 +18,12 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from gds_offload.errors import ConfigError, GDSUnavailableError
-from gds_offload.io.base import Direction, Engine, io_error
+from gds_offload.io.base import Direction, io_error
+from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, head_of, own_pages, pages_around, writable_head
 
 if TYPE_CHECKING:
     from gds_offload.io.limits import TokenBucket
@@ -60,7 +62,7 @@ def kvikio_status() -> tuple[bool, str]:
     return True, f"KvikIO {kvikio.__version__}"
 
 
-class KvikIOEngine(Engine):
+class KvikIOEngine(PageSpanEngine):
     """KvikIO ``CuFile`` reads and writes, in GDS (direct) or compat mode.
 
     Args:
@@ -69,6 +71,8 @@ class KvikIOEngine(Engine):
         task_bytes: KvikIO's task size (process-wide).
         issue_threads: this engine's own threads, which wait for the producing CUDA
             event and for KvikIO's futures, so the caller never blocks (``None``: ``num_threads``).
+        limiter: a bandwidth cap shared by reads and writes.
+        read_pool_bytes: idle host read buffers kept for reuse (:class:`~gds_offload.io.pages.HostBufferPool`).
 
     Raises:
         ConfigError: KvikIO is not usable here.
@@ -82,12 +86,13 @@ class KvikIOEngine(Engine):
         task_bytes: int = DEFAULT_TASK_BYTES,
         issue_threads: int | None = None,
         limiter: TokenBucket | None = None,
+        read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES,
     ) -> None:
         ok, why = kvikio_status()
         if not ok:
             raise ConfigError(f"mode={mode!r} needs KvikIO: {why}")
         self.name = mode  # type: ignore[misc]  # one class, two engine names
-        super().__init__(limiter=limiter)
+        super().__init__(limiter=limiter, read_pool_bytes=read_pool_bytes)
         import kvikio
         import kvikio.defaults
 
@@ -140,29 +145,56 @@ class KvikIOEngine(Engine):
             return h
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        return self._pool.submit(self._transfer, "write", src, slot, ready)
+        head = writable_head(src, slot)
+        self._heads.record(slot, head or 0)
+        if head is None:
+            return self._pool.submit(self._transfer, "write", src, src.numel(), slot, ready)
+        return self._pool.submit(self._transfer, "write", pages_around(src), src.numel(), slot, ready, src)
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        return self._pool.submit(self._transfer, "read", dst, slot, ready)
+        head, total = self._heads.get(slot), dst.numel()
+        if dst.device.type != "cpu" or not slot.file.direct or not total:
+            return self._pool.submit(self._transfer, "read", dst, total, slot, ready)
+        span = own_pages(dst) if head_of(dst) == head else None
+        if span is not None:
+            return self._pool.submit(self._transfer, "read", span, total, slot, ready, dst)
+        # A buffer from elsewhere: read the pages into one of ours, then copy the bytes out.
+        tmp = empty_like_head(total, head, self._buffers)
 
-    def _transfer(self, kind: Direction, buf: torch.Tensor, slot: Slot, ready: Any) -> int:
-        total = buf.numel()
+        def via_tmp() -> int:
+            self._transfer("read", own_pages(tmp), total, slot, ready)
+            dst.copy_(tmp)
+            return total
+
+        return self._pool.submit(via_tmp)
+
+    def _transfer(
+        self, kind: Direction, buf: torch.Tensor | memoryview, total: int, slot: Slot, ready: Any, owner: Any = None
+    ) -> int:
+        """Move ``buf`` (a byte tensor, or a page span) at the slot's start; report ``total`` bytes.
+
+        ``owner``: the tensor a page span views, held here until the transfer ends (a
+        span does not keep its memory alive)."""
         try:
             if ready is not None:
                 ready.synchronize()
             handle = self._handle(slot.file)
             with self._serving(kind):
-                return self._move(kind, handle, buf, slot)
+                self._move(kind, handle, buf, slot)
+            return total
         except GDSUnavailableError:
             raise
         except BaseException as exc:  # noqa: BLE001 - re-raised with the file and offset
             raise io_error(kind, total, slot, exc) from exc
 
-    def _move(self, kind: Direction, handle: Any, buf: torch.Tensor, slot: Slot) -> int:
-        total = buf.numel()
+    def _move(self, kind: Direction, handle: Any, buf: torch.Tensor | memoryview, slot: Slot) -> None:
         # KvikIO takes host memory as a numpy array and device memory through
         # __cuda_array_interface__; uint8 views sidestep dtypes it cannot map (bf16, fp8).
-        arr = buf.numpy() if buf.device.type == "cpu" else buf
+        if isinstance(buf, memoryview):
+            arr: Any = np.frombuffer(buf, dtype=np.uint8)
+        else:
+            arr = buf.numpy() if buf.device.type == "cpu" else buf
+        total = len(arr)
         done = 0
         while done < total:
             self._throttle(total - done)
@@ -176,4 +208,3 @@ class KvikIOEngine(Engine):
             done += n
             if done < total:
                 self._count_retry()
-        return total

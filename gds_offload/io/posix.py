@@ -1,10 +1,12 @@
 """The ``posix`` engine: the project's own thread pool doing ``pwrite``/``pread``.
 
 For machines where KvikIO cannot load (no CUDA driver), and for CPU-only CI. With
-``O_DIRECT`` files, bytes go through per-thread 4 KiB-aligned bounce buffers (torch's
-CPU allocator aligns to 64 bytes, O_DIRECT needs 4 KiB), bypassing the page cache
-like cuFile does. Large transfers are split into chunks spread over the pool, so one
-big tensor keeps several requests in flight.
+``O_DIRECT`` files (bypassing the page cache like cuFile does), host tensors move
+without a copy: the engine transfers the whole pages that hold them
+(:mod:`gds_offload.io.pages`). Device tensors, and read buffers not made by
+:meth:`PosixEngine.empty`, go through per-thread 4 KiB-aligned bounce buffers. Large
+transfers are split into chunks spread over the pool, so one big tensor keeps several
+requests in flight.
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gds_offload.io.base import Direction, Engine, io_error
+from gds_offload.io.base import Direction, io_error
+from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, head_of, own_pages, pages_around, writable_head
 from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
@@ -35,12 +38,14 @@ DEFAULT_THREADS = 8
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 
-class PosixEngine(Engine):
+class PosixEngine(PageSpanEngine):
     """``os.pwrite``/``os.pread`` on a thread pool; O_DIRECT through aligned buffers.
 
     Args:
         num_threads: worker threads (requests in flight).
         chunk_bytes: transfers are split into chunks of this size (a multiple of 4 KiB).
+        limiter: a bandwidth cap shared by reads and writes.
+        read_pool_bytes: idle read buffers kept for reuse (:class:`~gds_offload.io.pages.HostBufferPool`).
     """
 
     name = "posix"
@@ -51,8 +56,9 @@ class PosixEngine(Engine):
         num_threads: int = DEFAULT_THREADS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         limiter: TokenBucket | None = None,
+        read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES,
     ) -> None:
-        super().__init__(limiter=limiter)
+        super().__init__(limiter=limiter, read_pool_bytes=read_pool_bytes)
         if num_threads < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"need num_threads >= 1 and chunk_bytes a multiple of {ALIGN}, got {num_threads}, {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
@@ -66,32 +72,47 @@ class PosixEngine(Engine):
         self._pool.shutdown(wait=True)
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        return self._split("write", src, slot, ready)
+        fd, base = slot.file.fd, slot.offset
+        head = writable_head(src, slot)
+        self._heads.record(slot, head or 0)
+        if head is None:
+            return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_chunk(src, lo, n, slot))
+        span = pages_around(src)  # zero-copy: see gds_offload.io.pages
+        # The closures hold src/dst: a span does not keep its tensor's memory alive.
+        return self._split("write", len(span), src.numel(), ready, slot, lambda lo, n, _src=src: self._pwrite_all(fd, span[lo : lo + n], base + lo))
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        return self._split("read", dst, slot, ready)
+        fd, base, total = slot.file.fd, slot.offset, dst.numel()
+        head = self._heads.get(slot)
+        span = own_pages(dst) if slot.file.direct and dst.device.type == "cpu" and total and head_of(dst) == head else None
+        if span is None:
+            # Through the bounce buffers; the bytes start ``head`` into the slot.
+            return self._split("read", align_up(head + total), total, ready, slot, lambda lo, n: self._read_chunk(dst, lo, n, slot, head))
+        end = head + total  # bytes of the span past this are not data, and may lie past a truncated file's end
+        return self._split(
+            "read", len(span), total, ready, slot, lambda lo, n, _dst=dst: self._pread_all(fd, span[lo : lo + n], base + lo, need=min(n, end - lo))
+        )
 
-    def _split(self, kind: Direction, buf: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        total = buf.numel()
+    def _split(
+        self, kind: Direction, length: int, total: int, ready: Any, slot: Slot, move: Callable[[int, int], None]
+    ) -> Future[int]:
+        """Run ``move(lo, n)`` over ``[0, length)`` in chunks on the pool; the future gives ``total``."""
         result: Future[int] = Future()
         if total == 0:
             result.set_result(0)
             return result
-        starts = range(0, total, self.chunk_bytes)
+        starts = range(0, length, self.chunk_bytes)
         remaining = [len(starts)]
         lock = threading.Lock()
 
         def run(lo: int) -> None:
-            n = min(self.chunk_bytes, total - lo)
+            n = min(self.chunk_bytes, length - lo)
             try:
                 if ready is not None:
                     ready.synchronize()
                 with self._serving(kind):
                     self._throttle(n)
-                    if kind == "write":
-                        self._write_chunk(buf, lo, n, slot)
-                    else:
-                        self._read_chunk(buf, lo, n, slot)
+                    move(lo, n)
             except BaseException as exc:  # noqa: BLE001 - handed to the future
                 with lock:
                     if not result.done():
@@ -125,14 +146,18 @@ class PosixEngine(Engine):
             data = memoryview(src[lo : lo + n].numpy())
         self._pwrite_all(f.fd, data, slot.offset + lo)
 
-    def _read_chunk(self, dst: torch.Tensor, lo: int, n: int, slot: Slot) -> None:
+    def _read_chunk(self, dst: torch.Tensor, lo: int, n: int, slot: Slot, head: int) -> None:
+        # [lo, lo + n) of the slot; its data bytes are the ones in [head, head + dst.numel()).
         f = slot.file
+        first, last = max(lo, head), min(lo + n, head + dst.numel())
+        if last <= first:
+            return
         if f.direct or dst.device.type != "cpu":
             tensor, view = self._bounce()
-            self._pread_all(f.fd, view[: align_up(n) if f.direct else n], slot.offset + lo, need=n)
-            dst[lo : lo + n].copy_(tensor[:n])
+            self._pread_all(f.fd, view[: align_up(n) if f.direct else n], slot.offset + lo, need=last - lo)
+            dst[first - head : last - head].copy_(tensor[first - lo : last - lo])
         else:
-            self._pread_all(f.fd, memoryview(dst[lo : lo + n].numpy()), slot.offset + lo, need=n)
+            self._pread_all(f.fd, memoryview(dst[first - head : last - head].numpy()), slot.offset + first, need=last - first)
 
     def _pwrite_all(self, fd: int, data: memoryview, offset: int) -> None:
         done = 0
