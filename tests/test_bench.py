@@ -231,3 +231,11 @@ def test_example_runs(script: str, tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "offloaded" in proc.stdout
+
+
+def test_io_floor_script_starts() -> None:
+    """scripts/io_floor.py (the README's I/O-floor figure) imports and documents itself."""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "io_floor.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--engine" in out.stdout and "fio" in out.stdout

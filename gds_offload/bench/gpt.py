@@ -150,13 +150,16 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 #: The demo's (and bench's default) model and batch per device kind. ``cpu`` is sized for
-#: a 2-core machine: one step saves 1.29 GiB of activations (1.17 GiB offloaded; the
-#: last layer, LM head and loss, 122 MiB, stay; ``gds-offload demo`` prints the measured
-#: figures) and takes about 3.5 s without offloading. Width 384 rather than 256: the offloader's I/O costs CPU
-#: time per byte, and a wider model does more compute per saved byte. ``cuda`` is a starting point for one
+#: a 2-core machine: GPT-2 small's width and depth, batch 4 of 512 tokens; one step saves
+#: over 1 GiB of activations (1.17 GiB offloaded; the last layer, LM head and loss stay;
+#: ``gds-offload demo`` prints the measured figures) and takes about 6 s without offloading.
+#: The width matters on a CPU: moving a byte costs CPU time that compute would otherwise
+#: use (``scripts/io_floor.py`` measures it), and compute per saved byte grows with the width
+#: (hidden 384, batch 8 saved as much per step at half the compute: offload cost 1.08-1.10x
+#: keep's step time there, against 1.03-1.07x here). ``cuda`` is a starting point for one
 #: large GPU, not measured by this project yet: override with ``--layers/--hidden/...``.
 DEMO_PRESETS: dict[str, tuple[GPTConfig, int]] = {
-    "cpu": (GPTConfig(layers=12, hidden=384, heads=6, seq=512, vocab=4096, dropout=0.1), 8),
+    "cpu": (GPTConfig(layers=12, hidden=768, heads=12, seq=512, vocab=4096, dropout=0.1), 4),
     "cuda": (GPTConfig(layers=8, hidden=4096, heads=32, seq=1024, vocab=32000, dropout=0.1), 4),
 }
 

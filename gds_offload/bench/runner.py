@@ -42,13 +42,21 @@ every mode.
    ``malloc_trim`` after the warm-up left the peak of keep at 1.73 instead of 1.47 GiB).
 
 .. note:: Bit-identical across processes
-   Children run with ``MKL_CBWR=AUTO,STRICT`` (unless the environment sets ``MKL_CBWR``):
-   MKL's conditional numerical reproducibility, strict mode. Without it, MKL's CPU
-   kernels gave different last bits in different processes: on the 2-core test VM, 7
-   runs of the demo model (4 of them without the offloader) ended with 3 different sets
-   of weights; with it, 9 runs (keep, posix and compat offload) ended bit-identical.
-   It costs a few percent of every mode's step time (keep: 3.60 s without, 3.67 and
-   3.83 s with, in separate runs).
+   Children run with ``MKL_CBWR=AUTO,STRICT`` and ``MKL_DYNAMIC=FALSE`` (unless the
+   environment sets them): MKL's conditional numerical reproducibility in strict mode, and
+   a fixed MKL thread count. Measured on the 2-core test VM:
+
+   * without either, 7 runs of the hidden-384 model (4 of them without the offloader)
+     ended with 3 different sets of weights; with ``MKL_CBWR``, 9 runs (keep, posix and
+     compat offload) ended bit-identical. It costs a few percent of every mode's step
+     time (keep: 3.60 s without, 3.67 and 3.83 s with, in separate runs);
+   * with ``MKL_CBWR`` alone, 3 of 8 runs of the hidden-768 model through KvikIO (compat)
+     differed from keep in the last step, while posix and keep runs did not. One of them
+     had ``verify=True``: every slot's bytes came back with the checksum they were written
+     with, so the offloader restored the right bytes and the difference is in a kernel.
+     With ``MKL_DYNAMIC=FALSE`` too, 3 of 3 such runs were identical: MKL choosing its
+     thread count at run time (KvikIO's idle threads present) is the likely cause, not
+     yet proven.
 """
 from __future__ import annotations
 
@@ -293,8 +301,8 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 # ---------------------------------------------------------------------- parent side
 #: Printed by ``bench`` and ``demo`` when modes disagree.
 LOSSES_DIFFER_NOTE = (
-    "modes run in separate processes with MKL_CBWR=AUTO,STRICT so that torch's CPU kernels give the same bits in "
-    "each (see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
+    "modes run in separate processes with MKL_CBWR=AUTO,STRICT and MKL_DYNAMIC=FALSE so that torch's CPU kernels "
+    "give the same bits in each (see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
     "stays is the offloader's, and a bug; please report it with the JSON file."
 )
 
@@ -318,6 +326,7 @@ def run_mode(
     cmd = [python or sys.executable, "-m", "gds_offload.bench.runner", "--spec", spec.to_json()]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # see the module doc: bit-identical across processes
+    env.setdefault("MKL_DYNAMIC", "FALSE")
     if spec.measure_memory and not spec.device.startswith("cuda"):
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     else:

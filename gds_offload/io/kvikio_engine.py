@@ -5,8 +5,9 @@ DMA with no host bounce buffer. KvikIO raises instead of falling back when compa
 mode is off, so a ``gds`` engine that works is really direct.
 
 ``compat``: KvikIO's compatibility mode: POSIX I/O on KvikIO's thread pool through
-pinned bounce buffers (device tensors), or straight from host memory (CPU tensors),
-with O_DIRECT for both directions.
+pinned bounce buffers (device tensors), or straight from host memory (CPU tensors).
+Host tensors are handed over as whole pages (:mod:`gds_offload.io.pages`): aligned
+buffers, offsets and sizes, so KvikIO's automatic direct I/O uses O_DIRECT.
 
 KvikIO's thread pool and task size are process-wide settings; this engine sets
 them once when created (see :data:`DEFAULT_THREADS`, :data:`DEFAULT_TASK_BYTES`).
