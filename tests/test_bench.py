@@ -22,6 +22,7 @@ from gds_offload.bench.runner import (
     RunResult,
     RunSpec,
     compare_losses,
+    exact_in_process,
     expand_modes,
     parse_mode,
     run_here,
@@ -188,6 +189,40 @@ def test_demo_command(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "loss curves agree" in text and "yes" in text and "I/O hidden behind compute" in text
+
+
+def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch) -> None:
+    spec = RunSpec("offload:posix", path=str(tmp_path), **TINY)
+    assert exact_in_process(spec)
+    # An offloader that changes one saved bit must be caught: flip a bit of every read.
+    from gds_offload.io.posix import PosixEngine
+
+    real = PosixEngine._submit_read
+
+    def flip(self, dst, slot, ready):  # noqa: ANN001, ANN202
+        fut = real(self, dst, slot, ready)
+        fut.result()  # read synchronously, then flip, before the scheduler sees the future
+        dst[:1].bitwise_xor_(1)
+        return fut
+
+    monkeypatch.setattr(PosixEngine, "_submit_read", flip)
+    assert not exact_in_process(spec)
+    with pytest.raises(ValueError, match="offload mode"):
+        exact_in_process(RunSpec("keep", **TINY))
+
+
+def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
+    """A loss difference between processes (kernels, not the offloader) is re-checked in one
+    process; the demo passes only if that check is exact."""
+    import gds_offload.bench.runner as runner
+
+    monkeypatch.setattr(runner, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
+    rc = main(["demo", *TINY_ARGS, "--mode", "posix", "--path", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "bit-identical in one process" in text and rc == 0, text
+    monkeypatch.setattr(runner, "exact_in_process", lambda spec, steps=2: False)
+    rc = main(["demo", *TINY_ARGS, "--mode", "posix", "--path", str(tmp_path)])
+    assert rc == 1 and "NOT bit-identical in one process" in capsys.readouterr().out
 
 
 def test_io_hidden_fraction() -> None:
