@@ -94,7 +94,8 @@ class Offloader:
 
     def __init__(self, model: nn.Module, config: OffloadConfig, layers: Sequence[tuple[str, nn.Module]]) -> None:
         # Validate first, then allocate, then register.
-        choice = choose_engine(config.mode, config.paths[0])  # type: ignore[arg-type]
+        device = next((p.device.type for p in model.parameters()), None)
+        choice = choose_engine(config.mode, config.paths[0], device)  # type: ignore[arg-type]
         self.config = config
         self.layer_names = [n for n, _ in layers]
         engine = make_engine(choice.engine, max_bandwidth=config.max_bandwidth, num_threads=config.num_threads)

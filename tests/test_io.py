@@ -439,6 +439,16 @@ no_gpu = pytest.mark.skipif(
 
 
 @no_gpu
+def test_auto_picks_posix_for_a_cpu_model(spill_dir: Path) -> None:
+    import gds_offload
+
+    assert choose_engine("auto", spill_dir, "cpu").engine == "posix"
+    assert choose_engine("compat", spill_dir, "cpu").engine == "compat" or not kvikio_status()[0]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with gds_offload.attach(model, path=spill_dir) as off:
+        assert off.engine.name == "posix" and "CPU" in off.stats().engine_reason
+
+
 def test_auto_picks_compat_without_gpu(spill_dir: Path) -> None:
     ok, why = kvikio_status()
     if not ok:
