@@ -49,7 +49,7 @@ every mode.
    sets of weights; with it, 9 runs (keep, posix and compat offload) ended bit-identical.
    It costs a few percent of every mode's step time (keep: 3.60 s without, 3.67 and
    3.83 s with, in separate runs). It does not remove every difference: at hidden 768,
-   about 1 run in 6 still ends its last step with other last bits, often the very same
+   about 1 run in 5 still ends its last step with other last bits, often the very same
    ones, in offload runs (one with ``verify=True``, whose every slot came back with the
    checksum it was written with) and in a ``recompute`` run, which uses no offloader. So
    the rest is torch's or MKL's; ``MKL_DYNAMIC=FALSE`` did not remove it.
@@ -298,7 +298,7 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 #: Printed by ``bench`` and ``demo`` when modes disagree.
 LOSSES_DIFFER_NOTE = (
     "modes run in separate processes with MKL_CBWR=AUTO,STRICT so that torch's CPU kernels give the same bits in "
-    "each; about 1 run in 6 of the demo model still differs in its last step, with or without the offloader "
+    "each; about 1 run in 5 of the demo model still differs in its last step, with or without the offloader "
     "(see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
     "stays is the offloader's, and a bug; please report it with the JSON file."
 )
