@@ -194,18 +194,12 @@ def test_demo_command(tmp_path, capsys) -> None:
 def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch) -> None:
     spec = RunSpec("offload:posix", path=str(tmp_path), **TINY)
     assert exact_in_process(spec)
-    # An offloader that changes one saved bit must be caught: flip a bit of every read.
-    from gds_offload.io.posix import PosixEngine
+    # An offloader that changes saved bytes must be caught: corrupt every read (fault injection).
+    import gds_offload.offloader as offloader_mod
+    from gds_offload.io.faults import Fault, FaultyEngine
 
-    real = PosixEngine._submit_read
-
-    def flip(self, dst, slot, ready):  # noqa: ANN001, ANN202
-        fut = real(self, dst, slot, ready)
-        fut.result()  # read synchronously, then flip, before the scheduler sees the future
-        dst[:1].bitwise_xor_(1)
-        return fut
-
-    monkeypatch.setattr(PosixEngine, "_submit_read", flip)
+    real = offloader_mod.make_engine
+    monkeypatch.setattr(offloader_mod, "make_engine", lambda *a, **kw: FaultyEngine(real(*a, **kw), [Fault("read", "corrupt", 1, 0)]))
     assert not exact_in_process(spec)
     with pytest.raises(ValueError, match="offload mode"):
         exact_in_process(RunSpec("keep", **TINY))
