@@ -545,3 +545,14 @@ def test_raw_bandwidth_falls_back_to_dd(monkeypatch: pytest.MonkeyPatch, spill_d
     monkeypatch.setattr(io_bench.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="needs fio or dd"):
         io_bench.raw_direct_bandwidth(spill_dir, 64 << 20)
+
+
+def test_info_names_the_engine_for_gpu_and_for_cpu_models(spill_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gds_offload.cli import main
+
+    assert main(["info", "--json", "--path", str(spill_dir)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["engine_for_cpu_models"] == "posix"
+    assert facts["engine"] == choose_engine("auto", spill_dir).engine and facts["reason"]

@@ -47,6 +47,7 @@ def collect(path: Path | None) -> dict[str, object]:
         "engine_description": engine.description,
         "gds": engine.uses_gds,
         "reason": choice.reason,
+        "engine_for_cpu_models": choose_engine("auto", path, "cpu").engine,
     }
 
 
