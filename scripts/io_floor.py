@@ -86,11 +86,13 @@ def with_fio(spec: RunSpec, write_bps: float, read_bps: float, directory: Path, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="posix", help="offload engine to compare with (default: posix)")
+    p.add_argument("--engine", default="posix", choices=("posix", "compat", "gds"), help="drive engine to compare with (default: posix)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per run (default: 5)")
     p.add_argument("--path", default=None, help="spill directory, also where fio writes (default: the offloader's)")
     p.add_argument("--out", default="results/io_floor.json", help="JSON results file; '' for none")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: measured steps per run must be 1 or more")
     console = Console()
     directory = prepare_dir(Path(args.path) if args.path else default_spill_dir(), create=args.path is None)
 

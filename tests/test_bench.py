@@ -268,3 +268,10 @@ def test_io_floor_script_starts() -> None:
     out = subprocess.run([sys.executable, str(repo / "scripts" / "io_floor.py"), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--engine" in out.stdout and "fio" in out.stdout
+
+
+def test_io_floor_script_rejects_bad_arguments() -> None:
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "io_floor.py")
+    for args, expected in ((["--engine", "host"], "invalid choice: 'host'"), (["--steps", "0"], "--steps 0: measured steps")):
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and expected in out.stderr, out.stderr

@@ -556,3 +556,10 @@ def test_info_names_the_engine_for_gpu_and_for_cpu_models(spill_dir: Path, capsy
     facts = json.loads(capsys.readouterr().out)
     assert facts["engine_for_cpu_models"] == "posix"
     assert facts["engine"] == choose_engine("auto", spill_dir).engine and facts["reason"]
+
+
+def test_negative_read_pool_is_refused() -> None:
+    from gds_offload.io.posix import PosixEngine
+
+    with pytest.raises(ValueError, match=r"read_pool_bytes=-1.*use 0"):
+        PosixEngine(read_pool_bytes=-1)

@@ -24,7 +24,7 @@ import torch
 
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.base import Direction, io_error
-from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, head_of, own_pages, pages_around, writable_head
+from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, own_pages
 
 if TYPE_CHECKING:
     from gds_offload.io.limits import TokenBucket
@@ -146,19 +146,18 @@ class KvikIOEngine(PageSpanEngine):
             return h
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        head = writable_head(src, slot)
-        self._heads.record(slot, head or 0)
-        if head is None:
+        span = self._write_span(src, slot)
+        if span is None:
             return self._pool.submit(self._transfer, "write", src, src.numel(), slot, ready)
-        return self._pool.submit(self._transfer, "write", pages_around(src), src.numel(), slot, ready, src)
+        return self._pool.submit(self._transfer, "write", span, src.numel(), slot, ready, src)
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        head, total = self._heads.get(slot), dst.numel()
-        if dst.device.type != "cpu" or not slot.file.direct or not total:
-            return self._pool.submit(self._transfer, "read", dst, total, slot, ready)
-        span = own_pages(dst) if head_of(dst) == head else None
+        total = dst.numel()
+        span, head = self._read_span(dst, slot)
         if span is not None:
             return self._pool.submit(self._transfer, "read", span, total, slot, ready, dst)
+        if dst.device.type != "cpu" or not slot.file.direct or not total:
+            return self._pool.submit(self._transfer, "read", dst, total, slot, ready)
         # A buffer from elsewhere: read the pages into one of ours, then copy the bytes out.
         tmp = empty_like_head(total, head, self._buffers)
 

@@ -191,12 +191,16 @@ class SlotHeads:
 class PageSpanEngine(Engine):
     """An engine that moves host tensors of ``O_DIRECT`` files as page spans (``posix``, ``compat``).
 
-    Provides the slot sizing, read buffers and head bookkeeping; subclasses call
-    :func:`writable_head`/:func:`pages_around` when writing, and :func:`own_pages` when
-    reading, and record heads in ``self._heads``.
+    Provides the slot sizing, read buffers and head bookkeeping; subclasses ask
+    :meth:`_write_span` what to write and :meth:`_read_span` where to read, and move bytes.
+
+    Raises:
+        ValueError: ``read_pool_bytes`` is negative.
     """
 
     def __init__(self, *, limiter: TokenBucket | None = None, read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES) -> None:
+        if read_pool_bytes < 0:
+            raise ValueError(f"read_pool_bytes={read_pool_bytes}: idle read buffers to keep, in bytes; use 0 (none) or more")
         super().__init__(limiter=limiter)
         self._heads = SlotHeads()
         self._buffers = HostBufferPool(read_pool_bytes)
@@ -218,3 +222,18 @@ class PageSpanEngine(Engine):
 
     def release(self, slot: Slot) -> None:
         self._heads.drop(slot)
+
+    def _write_span(self, src: torch.Tensor, slot: Slot) -> memoryview | None:
+        """Record where ``src``'s bytes will start in ``slot``; return its page span, or ``None``
+        when it must be written as it is (from the slot's start)."""
+        head = writable_head(src, slot)
+        self._heads.record(slot, head or 0)
+        return None if head is None else pages_around(src)
+
+    def _read_span(self, dst: torch.Tensor, slot: Slot) -> tuple[memoryview | None, int]:
+        """``(span, head)``: ``dst``'s own page span when the slot's bytes can be read into it in
+        place (else ``None``), and how far into the slot the bytes start."""
+        head = self._heads.get(slot)
+        if dst.device.type != "cpu" or not slot.file.direct or not dst.numel() or head_of(dst) != head:
+            return None, head
+        return own_pages(dst), head

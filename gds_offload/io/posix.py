@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gds_offload.io.base import Direction, io_error
-from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, head_of, own_pages, pages_around, writable_head
+from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine
 from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
@@ -73,18 +73,15 @@ class PosixEngine(PageSpanEngine):
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fd, base = slot.file.fd, slot.offset
-        head = writable_head(src, slot)
-        self._heads.record(slot, head or 0)
-        if head is None:
+        span = self._write_span(src, slot)  # zero-copy: see gds_offload.io.pages
+        if span is None:
             return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_chunk(src, lo, n, slot))
-        span = pages_around(src)  # zero-copy: see gds_offload.io.pages
         # The closures hold src/dst: a span does not keep its tensor's memory alive.
         return self._split("write", len(span), src.numel(), ready, slot, lambda lo, n, _src=src: self._pwrite_all(fd, span[lo : lo + n], base + lo))
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fd, base, total = slot.file.fd, slot.offset, dst.numel()
-        head = self._heads.get(slot)
-        span = own_pages(dst) if slot.file.direct and dst.device.type == "cpu" and total and head_of(dst) == head else None
+        span, head = self._read_span(dst, slot)
         if span is None:
             # Through the bounce buffers; the bytes start ``head`` into the slot.
             return self._split("read", align_up(head + total), total, ready, slot, lambda lo, n: self._read_chunk(dst, lo, n, slot, head))
