@@ -43,16 +43,14 @@ every mode.
 
 .. note:: Bit-identical across processes
    Children run with ``MKL_CBWR=AUTO,STRICT`` (unless the environment sets ``MKL_CBWR``):
-   MKL's conditional numerical reproducibility, strict mode. Without it, MKL's CPU
-   kernels gave different last bits in different processes: on the 2-core test VM, 7
-   runs of the hidden-384 model (4 of them without the offloader) ended with 3 different
-   sets of weights; with it, 9 runs (keep, posix and compat offload) ended bit-identical.
-   It costs a few percent of every mode's step time (keep: 3.60 s without, 3.67 and
-   3.83 s with, in separate runs). It does not remove every difference: at hidden 768,
-   about 1 run in 5 still ends its last step with other last bits, often the very same
-   ones, in offload runs (one with ``verify=True``, whose every slot came back with the
-   checksum it was written with) and in a ``recompute`` run, which uses no offloader. So
-   the rest is torch's or MKL's; ``MKL_DYNAMIC=FALSE`` did not remove it.
+   MKL's conditional numerical reproducibility, strict mode. Without it, MKL's CPU kernels
+   gave different last bits in different processes (one bench run of three modes on the
+   2-core test VM ended with three different sets of weights). It does not remove every
+   difference: in 6 of 30 non-keep rows of bench runs of the demo model, the last step
+   still ended with other last bits, 5 of them with the very same weights, one of those a
+   ``recompute`` row, which uses no offloader. So the rest is torch's or MKL's, and
+   ``gds-offload demo`` re-checks in one process (:func:`exact_in_process`) before it
+   blames the offloader.
 """
 from __future__ import annotations
 
@@ -298,7 +296,7 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 #: Printed by ``bench`` and ``demo`` when modes disagree.
 LOSSES_DIFFER_NOTE = (
     "modes run in separate processes with MKL_CBWR=AUTO,STRICT so that torch's CPU kernels give the same bits in "
-    "each; about 1 run in 5 of the demo model still differs in its last step, with or without the offloader "
+    "each; a few runs of the demo model still differ in their last step, with or without the offloader "
     "(see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
     "stays is the offloader's, and a bug; please report it with the JSON file."
 )

@@ -13,8 +13,8 @@ moves the *pages that contain the bytes*, straight from and into the tensor's me
 - read: into a buffer made by :func:`empty_like_head`, whose data starts ``head``
   bytes into a page and whose first and last pages belong to it alone, so the span can
   be read in place. The buffers come from a :class:`HostBufferPool`: reading into fresh
-  anonymous memory makes the kernel fault in and zero every page first (about 300,000
-  faults per step for the demo's 1.2 GiB), on the cores that run the model.
+  anonymous memory makes the kernel fault in and zero every page first (one fault per
+  4 KiB read back, every step), on the cores that run the model.
 
 A slot must hold the span: up to one page more than the tensor (:func:`span_bytes`).
 """
