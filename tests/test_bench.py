@@ -179,6 +179,47 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
     assert "offload:host" in text and "yes" in text
 
 
+def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
+    from gds_offload.commands.bench import combine_rounds, round_order, summarize
+
+    assert [round_order(["keep", "a", "b"], k) for k in range(4)] == [
+        ["keep", "a", "b"], ["a", "b", "keep"], ["b", "keep", "a"], ["keep", "a", "b"]]
+
+    def row(mode: str, k: int, step: float, peak: int, hexes: str = "0x1.0p+0") -> RunResult:
+        return RunResult(mode, "ok", median_step_s=step, step_seconds=[step, step], peak_activation_bytes=peak,
+                         losses_hex=[hexes], params_digest="d", tokens_per_step=10, round=k)
+
+    # Round 2 is a slow spell for every mode: per-round ratios are unaffected, pooled medians are not.
+    rows = [row("keep", 0, 1.0, 100), row("a", 0, 1.1, 40), row("a", 1, 1.2, 50), row("keep", 1, 1.0, 100),
+            row("keep", 2, 2.0, 100), row("a", 2, 2.0, 30, "0x1.1p+0")]
+    s = summarize(rows)
+    a = s["modes"]["a"]
+    assert s["rounds"] == 3 and a["step_ratios"] == pytest.approx([1.1, 1.2, 1.0])
+    assert a["step_ratio"] == pytest.approx(1.1) and a["memory_ratio"] == pytest.approx(0.4)
+    assert a["losses_agree"] is False and s["modes"]["keep"]["losses_agree"] is True  # one round differed
+    assert s["all_losses_agree"] is False
+    combined = {r.mode: r for r in combine_rounds(rows)}
+    assert len(combined["a"].step_seconds) == 6 and combined["a"].median_step_s == pytest.approx(1.2)
+    assert combined["a"].peak_activation_bytes == 40 and combined["a"].tokens_per_s == pytest.approx(10 / 1.2)
+    failed = combine_rounds(rows + [RunResult("a", "error", "boom", round=3)])
+    assert [r.status for r in failed if r.mode == "a"] == ["error"]
+    assert summarize(rows + [RunResult("a", "error", "boom", round=3)])["failed"] == ["a"]
+
+
+def test_bench_command_rounds(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:host", "--rounds", "2", "--path", str(tmp_path),
+               "--out", str(out), "--plot", ""])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(r["mode"], r["round"]) for r in doc["results"]] == [
+        ("keep", 0), ("offload:host", 0), ("offload:host", 1), ("keep", 1)]
+    assert doc["summary"]["rounds"] == 2 and len(doc["summary"]["modes"]["offload:host"]["step_ratios"]) == 2
+    assert "2 interleaved rounds" in capsys.readouterr().out
+    assert main(["bench", "--rounds", "0", "--out", "", "--plot", ""]) == 2
+    assert "--rounds 0" in capsys.readouterr().err
+
+
 def test_bench_command_rejects_unknown_mode(capsys) -> None:
     assert main(["bench", "--modes", "keep,teleport", "--out", "", "--plot", ""]) == 2
     assert "teleport" in capsys.readouterr().err

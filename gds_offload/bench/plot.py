@@ -15,8 +15,10 @@ def _get(row: Any, name: str) -> Any:
 def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-offload bench") -> Path:
     """Draw side-by-side bars of median step time (s) and peak activation memory (MiB or GiB) per mode.
 
-    Bars are labelled with their ratio to ``keep`` when ``keep`` ran. Modes that did not
-    run are left out.
+    Bars are labelled with their ratio to ``keep``: a row's own ``step_ratio`` /
+    ``memory_ratio`` when it has them (``bench --rounds``: the median of per-round
+    ratios), else the bar over ``keep``'s when ``keep`` ran. Modes that did not run are
+    left out.
 
     Args:
         results: :class:`~gds_offload.bench.runner.RunResult` objects or their dicts.
@@ -47,12 +49,15 @@ def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-o
     mem = [p / scale for p in peaks]
     keep_mem = (_get(keep, "peak_activation_bytes") or 0) / scale if keep else None
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.6 * max(len(rows), 3) + 1.6))
+    keep_step = _get(keep, "median_step_s") if keep else None
+    step_ratios = [_get(r, "step_ratio") or (v / keep_step if keep_step else None) for r, v in zip(rows, step)]
+    mem_ratios = [_get(r, "memory_ratio") or (v / keep_mem if keep_mem else None) for r, v in zip(rows, mem)]
     panels = [
-        (axes[0], step, "median step time (s)", _get(keep, "median_step_s") if keep else None, "{:.3g}"),
-        (axes[1], mem, f"peak activation memory ({unit})", keep_mem, "{:.3g}"),
+        (axes[0], step, "median step time (s)", step_ratios, "{:.3g}"),
+        (axes[1], mem, f"peak activation memory ({unit})", mem_ratios, "{:.3g}"),
     ]
     colors = ["#777777" if m == "keep" else "#2b7bba" if m.startswith("offload") or m == "adaptive" else "#d08c2a" for m in modes]
-    for ax, values, label, ref, fmt in panels:
+    for ax, values, label, ratios, fmt in panels:
         y = range(len(values))
         ax.barh(list(y), values, color=colors)
         ax.set_yticks(list(y), modes)
@@ -61,7 +66,7 @@ def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-o
         ax.grid(axis="x", alpha=0.3)
         top = max(values, default=0) or 1
         for i, v in enumerate(values):
-            text = fmt.format(v) + (f"  ({v / ref:.2f}x)" if ref else "")
+            text = fmt.format(v) + (f"  ({ratios[i]:.2f}x)" if ratios[i] is not None else "")
             ax.text(v + top * 0.01, i, text, va="center", fontsize=9)
         ax.set_xlim(0, top * 1.35)
     fig.suptitle(title)

@@ -185,6 +185,8 @@ class RunResult:
     layer_names: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     returncode: int | None = None
+    #: Which round of an interleaved benchmark (``gds-offload bench --rounds``) this run belongs to.
+    round: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -67,6 +68,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, warmup: int) 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, steps=5, warmup=2)
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated modes: keep, offload, offload:<engine>, offload:*, adaptive, recompute, save_on_cpu; auto: all that run here (default: auto)")
+    p.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved (each round starts one mode later); ratios are taken within a round and the median is reported: slow spells of a shared machine then hit every mode alike (default: 1)")
     p.add_argument("--policy", default="all", help="attach policy of the offload modes (default: all)")
     p.add_argument("--out", default="results/bench.json", help="JSON results file; '' for none (default: results/bench.json)")
     p.add_argument("--plot", default="results/bench.png", help="PNG of step time and memory per mode; '' for none (default: results/bench.png)")
@@ -140,26 +142,74 @@ def select_modes(text: str, device: str, path: str | None) -> list[str]:
 
 
 def summarize(results: list[Any]) -> dict[str, Any]:
-    """Ratios to ``keep`` and loss agreement, per mode."""
+    """Per mode: its ratios to ``keep`` and whether its losses agree with ``keep``'s.
+
+    Each ratio is taken within one round (against that round's ``keep``), and the
+    summary's ``step_ratio`` / ``memory_ratio`` is the median over rounds; the
+    per-round ratios are in ``step_ratios`` / ``memory_ratios``. Losses agree when they
+    agree in every round.
+    """
     from gds_offload.bench.runner import compare_losses
 
-    agree = compare_losses(results)
-    keep = next((r for r in results if r.mode == "keep" and r.status == "ok"), None)
-    rows = {}
-    for r in results:
-        row: dict[str, Any] = {"status": r.status, "losses_agree": agree.get(r.mode)}
-        if keep is not None and r.status == "ok":
-            row["step_ratio"] = r.median_step_s / keep.median_step_s if keep.median_step_s else None
-            if r.peak_activation_bytes is not None and keep.peak_activation_bytes:
-                row["memory_ratio"] = r.peak_activation_bytes / keep.peak_activation_bytes
-        rows[r.mode] = row
-    checked = [v for v in agree.values() if v is not None]
+    rounds = sorted({r.round for r in results})
+    per_round = {k: [r for r in results if r.round == k] for k in rounds}
+    rows: dict[str, dict[str, Any]] = {}
+    for k in rounds:
+        agree = compare_losses(per_round[k])
+        keep = next((r for r in per_round[k] if r.mode == "keep" and r.status == "ok"), None)
+        for r in per_round[k]:
+            row = rows.setdefault(r.mode, {"status": r.status, "losses_agree": None, "step_ratios": [], "memory_ratios": []})
+            if r.status != "ok" or row["status"] != "ok":
+                row["status"] = r.status if row["status"] == "ok" else row["status"]
+            if agree.get(r.mode) is not None:
+                row["losses_agree"] = agree[r.mode] and row["losses_agree"] is not False
+            if keep is not None and r.status == "ok" and keep.median_step_s:
+                row["step_ratios"].append(r.median_step_s / keep.median_step_s)
+                if r.peak_activation_bytes is not None and keep.peak_activation_bytes:
+                    row["memory_ratios"].append(r.peak_activation_bytes / keep.peak_activation_bytes)
+    for row in rows.values():
+        row["step_ratio"] = statistics.median(row["step_ratios"]) if row["step_ratios"] else None
+        row["memory_ratio"] = statistics.median(row["memory_ratios"]) if row["memory_ratios"] else None
+    checked = [v["losses_agree"] for v in rows.values() if v["losses_agree"] is not None]
     return {
+        "rounds": len(rounds),
         "modes": rows,
         "all_losses_agree": all(checked) if checked else None,
-        "failed": [r.mode for r in results if r.status == "error"],
-        "unavailable": [r.mode for r in results if r.status == "unavailable"],
+        "failed": sorted({r.mode for r in results if r.status == "error"}),
+        "unavailable": sorted({r.mode for r in results if r.status == "unavailable"}),
     }
+
+
+def combine_rounds(results: list[Any]) -> list[Any]:
+    """One row per mode (in first-seen order) pooling its rounds.
+
+    ``step_seconds`` holds every round's steps and ``median_step_s`` is their median;
+    ``peak_activation_bytes`` is the median of the rounds' peaks; ``offload`` and the
+    rest come from the mode's first round. A mode that failed in any round is that
+    failed row.
+    """
+    from gds_offload.bench.runner import RunResult
+
+    out: list[Any] = []
+    for mode in dict.fromkeys(r.mode for r in results):
+        runs = [r for r in results if r.mode == mode]
+        bad = next((r for r in runs if r.status != "ok"), None)
+        if bad is not None or len(runs) == 1:
+            out.append(bad or runs[0])
+            continue
+        steps = [s for r in runs for s in r.step_seconds]
+        peaks = [r.peak_activation_bytes for r in runs if r.peak_activation_bytes is not None]
+        median = statistics.median(steps)
+        out.append(replace(
+            runs[0],
+            step_seconds=steps,
+            median_step_s=median,
+            tokens_per_s=runs[0].tokens_per_step / median if median else None,
+            peak_activation_bytes=int(statistics.median(peaks)) if peaks else None,
+            wall_s=sum(r.wall_s for r in runs),
+        ))
+        assert isinstance(out[-1], RunResult)
+    return out
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -212,21 +262,35 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         )
 
 
-def run_modes(base: Any, modes: list[str], *, timeout_s: float, status: Any = None) -> list[Any]:
-    """Run each mode in its own child process, one after the other."""
+def round_order(modes: list[str], k: int) -> list[str]:
+    """The order of round ``k``: ``modes`` rotated left by ``k``, so that no mode always runs first or last."""
+    k %= max(1, len(modes))
+    return modes[k:] + modes[:k]
+
+
+def run_modes(base: Any, modes: list[str], *, timeout_s: float, status: Any = None, rounds: int = 1) -> list[Any]:
+    """Run each mode in its own child process, one after the other, ``rounds`` times.
+
+    Round ``k`` runs the modes in :func:`round_order` ``(modes, k)``; every result
+    carries its ``round``.
+    """
     from gds_offload.bench.runner import run_mode
 
     results = []
-    for i, mode in enumerate(modes, 1):
-        label = f"[{i}/{len(modes)}] {mode}"
+    total = len(modes) * rounds
+    for k in range(rounds):
+        for i, mode in enumerate(round_order(modes, k), 1):
+            label = f"[{k * len(modes) + i}/{total}] {mode}" + (f" (round {k + 1}/{rounds})" if rounds > 1 else "")
 
-        def on_event(ev: dict[str, Any], label: str = label) -> None:
-            if status is not None and ev.get("event") == "step":
-                status.update(f"{label}: {ev['phase']} step {ev['step'] + 1}/{base.warmup + base.steps} ({ev['step_s']:.2f} s)")
+            def on_event(ev: dict[str, Any], label: str = label) -> None:
+                if status is not None and ev.get("event") == "step":
+                    status.update(f"{label}: {ev['phase']} step {ev['step'] + 1}/{base.warmup + base.steps} ({ev['step_s']:.2f} s)")
 
-        if status is not None:
-            status.update(f"{label}: starting")
-        results.append(run_mode(replace(base, mode=mode, progress=status is not None), on_event=on_event, timeout_s=timeout_s))
+            if status is not None:
+                status.update(f"{label}: starting")
+            r = run_mode(replace(base, mode=mode, progress=status is not None), on_event=on_event, timeout_s=timeout_s)
+            r.round = k
+            results.append(r)
     return results
 
 
@@ -238,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     try:
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds {args.rounds}: need at least 1 round")
         base = base_spec(args, device)
         modes = select_modes(args.modes, device, base.path)
     except (ConfigError, ValueError) as exc:
@@ -246,11 +312,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     started = time.time()
     if args.json:
-        results = run_modes(base, modes, timeout_s=args.timeout)
+        results = run_modes(base, modes, timeout_s=args.timeout, rounds=args.rounds)
     else:
         with console.status("starting") as status:
-            results = run_modes(base, modes, timeout_s=args.timeout, status=status)
+            results = run_modes(base, modes, timeout_s=args.timeout, status=status, rounds=args.rounds)
     summary = summarize(results)
+    rows = combine_rounds(results)
     doc = {
         "command": getattr(args, "command_line", shlex.join(sys.argv)),
         "argv": sys.argv,
@@ -272,14 +339,17 @@ def run(args: argparse.Namespace) -> int:
             m = doc["machine"]
             title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
                      f"({m['cpu_usable']} CPUs{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
-            plot_results(results, args.plot, title=title)
+            ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio")} for m, row in summary["modes"].items()}
+            plot_results([r.as_dict() | ratios[r.mode] for r in rows], args.plot, title=title)
         except ImportError as exc:
             console.print(f"[yellow]no plot: {exc}[/]")
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         title = f"gds-offload bench: {base.model} layers={base.layers} hidden={base.hidden} seq={base.seq} batch={base.batch} on {device}"
-        render_table(results, summary, title=title)
+        if args.rounds > 1:
+            title += f"; {args.rounds} interleaved rounds, x keep = median of per-round ratios"
+        render_table(rows, summary, title=title)
         if args.out:
             Console().print(f"results: {args.out}" + (f", plot: {args.plot}" if args.plot else ""))
     bad = summary["failed"] or summary["all_losses_agree"] is False
