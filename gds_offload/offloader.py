@@ -22,12 +22,13 @@ for a write backlog; the unnamed spill files vanish with the process).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import difflib
 import functools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -121,6 +122,7 @@ class Offloader:
         self._model_ref = weakref.ref(model)
         self._hook_ctx: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._depth = 0
+        self._paused = 0
         self._handles: list[RemovableHandle] = []
         self._attached = True
         self._handles.append(model.register_forward_pre_hook(self._root_pre))
@@ -138,7 +140,7 @@ class Offloader:
 
     # ------------------------------------------------------------------ hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (self._paused and not self._depth):
             return
         self._depth += 1
         if self._depth > 1:
@@ -210,6 +212,22 @@ class Offloader:
     @property
     def attached(self) -> bool:
         return self._attached
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards that *start* inside this block run as if nothing were attached.
+
+        Autograd keeps what they save in memory, nothing is written, and they do not
+        count in :meth:`stats` or feed the policy. A forward already running when the
+        block is entered, and graphs built before it, are still served by the offloader.
+        Blocks nest. For an A/B comparison in one process (``gds-offload bench --paired``)
+        or a step that must not touch the drive.
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def detach(self) -> None:
         """Remove every hook, wait for in-flight writes, release the spill store. Idempotent.

@@ -220,6 +220,25 @@ def test_bench_command_rounds(tmp_path, capsys) -> None:
     assert "--rounds 0" in capsys.readouterr().err
 
 
+def test_bench_command_paired(tmp_path, capsys) -> None:
+    """--paired: offloaded and paused steps alternate (ABBA) in the offload child; all steps stay exact."""
+    out = tmp_path / "bench.json"
+    args = [a if a != "2" or i != TINY_ARGS.index("--steps") + 1 else "4" for i, a in enumerate(TINY_ARGS)]
+    rc = main(["bench", *args, "--modes", "keep,offload:posix", "--paired", "--path", str(tmp_path), "--out", str(out), "--plot", ""])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    keep, off = doc["results"]
+    assert len(keep["step_seconds"]) == 4 and keep["paired_keep_seconds"] == []
+    assert len(off["step_seconds"]) == len(off["paired_keep_seconds"]) == 2
+    assert off["offload"]["steps"] == 2 and off["peak_activation_bytes"] is not None  # paused steps are not offloaded
+    assert doc["summary"]["all_losses_agree"] is True  # every step, offloaded or paused, equals keep's
+    ratios = doc["summary"]["modes"]["offload:posix"]["paired_ratios"]
+    assert ratios == pytest.approx([a / b for a, b in zip(off["step_seconds"], off["paired_keep_seconds"])])
+    assert "paired" in capsys.readouterr().out.split("results:")[0]
+    assert main(["bench", "--paired", "--steps", "3", "--out", "", "--plot", ""]) == 2
+    assert "even number" in capsys.readouterr().err
+
+
 def test_bench_command_rejects_unknown_mode(capsys) -> None:
     assert main(["bench", "--modes", "keep,teleport", "--out", "", "--plot", ""]) == 2
     assert "teleport" in capsys.readouterr().err

@@ -142,6 +142,28 @@ def test_no_grad_saves_and_writes_nothing(engine: str, tmp_path) -> None:
         assert off.store.allocated_bytes() == 0
 
 
+def test_paused_steps_are_plain_and_exact(engine: str, tmp_path) -> None:
+    """Steps inside ``paused()`` save nothing through the offloader; steps around them still
+    offload; every step's loss and gradients equal a run without the offloader."""
+    model, inputs = make("gpt")
+    ref = [train_step(model, inputs, seed=s) for s in (1, 2, 3)]
+    model, inputs = make("gpt")
+    with offload_everything(model, tmp_path, engine) as off:
+        assert_same(ref[0], train_step(model, inputs, seed=1))
+        before = settled(off)
+        written = off.engine.stats().bytes_written
+        with off.paused():
+            with off.paused():  # nests
+                pass
+            assert_same(ref[1], train_step(model, inputs, seed=2))
+        paused = settled(off)
+        assert (paused.steps, paused.bytes_packed, off.engine.stats().bytes_written) == (before.steps, before.bytes_packed, written)
+        assert_same(ref[2], train_step(model, inputs, seed=3))
+        after = settled(off)
+        assert after.steps == before.steps + 1 and after.bytes_offloaded > before.bytes_offloaded
+        assert off.store.allocated_bytes() == 0
+
+
 def test_eval_mode(engine: str, tmp_path) -> None:
     model, inputs = make("gpt")
     model.eval()

@@ -31,6 +31,13 @@ steps; ``VmHWM`` is reset by writing ``5`` to ``/proc/self/clear_refs``. On CUDA
 Either way the figure also holds gradients and backward temporaries, the same for
 every mode.
 
+Paired runs (``RunSpec(paired=True)``, ``gds-offload bench --paired``): an offload mode's
+child alternates offloaded steps with steps under :meth:`~gds_offload.Offloader.paused`
+(no offloading), in ABBA order, and reports both. Their ratio compares steps seconds
+apart in one process, so a shared machine's slow spells, which last minutes and move a
+mode's median by up to a third between processes (keep: 7.0, 9.5 and 8.1 s in the three
+rounds of one ``bench --rounds 3`` on the 2-vCPU test VM), hit both sides alike.
+
 .. note:: The allocator setting costs time
    Returning every large block makes each step fault its pages in again: on a 2-core
    VM every mode's steps took about 30 % longer than with glibc's defaults, while the
@@ -132,6 +139,8 @@ class RunSpec:
     measure_memory: bool = True
     #: Emit one event per step (the demo's live display); the result event is always sent.
     progress: bool = False
+    #: Offload modes: alternate offloaded and paused steps (see :func:`run_here`).
+    paired: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -161,8 +170,10 @@ class RunResult:
     model: str = ""
     device: str = ""
     tokens_per_step: int = 0
-    #: Every step's wall time, warm-up steps excluded.
+    #: Every step's wall time, warm-up steps excluded (with ``paired``: the offloaded steps).
     step_seconds: list[float] = field(default_factory=list)
+    #: ``paired`` offload modes: the paused steps, ``paired_keep_seconds[j]`` the partner of ``step_seconds[j]``.
+    paired_keep_seconds: list[float] = field(default_factory=list)
     median_step_s: float | None = None
     tokens_per_s: float | None = None
     #: Peak memory above the post-warm-up baseline (see the module doc).
@@ -608,6 +619,10 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
 def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> RunResult:
     """Run ``spec`` in this process (the child's job; call :func:`run_mode` instead).
 
+    With ``spec.paired`` an offload mode alternates its measured steps between offloaded
+    and :meth:`~gds_offload.Offloader.paused` ones (pairs in ABBA order): the paused steps
+    go to ``paired_keep_seconds``, and the memory peak is that of the offloaded steps.
+
     Raises:
         Unavailable: the mode cannot run here.
     """
@@ -616,6 +631,8 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     kind, engine = parse_mode(spec.mode)
     if spec.warmup < 1 or spec.steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={spec.warmup} steps={spec.steps}")
+    if spec.paired and spec.steps % 2:
+        raise ValueError(f"paired runs measure pairs of an offloaded and a paused step: need an even number of steps, got {spec.steps}")
     cuda = spec.device.startswith("cuda")
     # Modes are compared bit for bit across processes: ask torch for its deterministic kernels.
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -692,16 +709,32 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
             result.memory_source = "not measured (measure_memory=False: default allocator settings)"
         if off is not None:
             off.stats(reset=True)
+        paired = spec.paired and off is not None
+        hwm = result.memory_source.startswith("VmHWM")
+        paired_peak = 0
         for i in range(spec.warmup, spec.warmup + spec.steps):
-            loss, dt = step(i)
-            result.step_seconds.append(dt)
+            k = i - spec.warmup
+            # ABBA: pair j runs offloaded-then-paused when j is even, else paused-then-offloaded,
+            # so a steady drift of the machine's speed cancels over two pairs.
+            offloaded = not paired or (k % 2 == 0) == ((k // 2) % 2 == 0)
+            if paired and offloaded:  # the peak of offloaded steps only
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                elif hwm:
+                    _reset_hwm()
+            with off.paused() if paired and not offloaded else contextlib.nullcontext():  # type: ignore[union-attr]
+                loss, dt = step(i)
+            if paired and offloaded:
+                now = torch.cuda.max_memory_allocated() if cuda else _proc_status_bytes("VmHWM") if hwm else None
+                paired_peak = max(paired_peak, now or 0)
+            (result.step_seconds if offloaded else result.paired_keep_seconds).append(dt)
             record(i, "measure", loss, dt)
         if cuda:
-            result.peak_activation_bytes = torch.cuda.max_memory_allocated() - (result.base_bytes or 0)
-        elif result.memory_source.startswith("VmHWM"):
-            hwm = _proc_status_bytes("VmHWM")
-            if hwm is not None and result.base_bytes is not None:
-                result.peak_activation_bytes = hwm - result.base_bytes
+            peak_abs: int | None = paired_peak if paired else torch.cuda.max_memory_allocated()
+        else:
+            peak_abs = (paired_peak if paired else _proc_status_bytes("VmHWM")) if hwm else None
+        if peak_abs is not None and result.base_bytes is not None:
+            result.peak_activation_bytes = peak_abs - result.base_bytes
         if off is not None:
             result.offload = off.stats().as_dict()
     finally:

@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, steps=5, warmup=2)
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated modes: keep, offload, offload:<engine>, offload:*, adaptive, recompute, save_on_cpu; auto: all that run here (default: auto)")
     p.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved (each round starts one mode later); ratios are taken within a round and the median is reported: slow spells of a shared machine then hit every mode alike (default: 1)")
+    p.add_argument("--paired", action="store_true", help="offload modes also time steps with the offloader paused, alternating with offloaded ones in the same process (ABBA); the 'x keep, paired' column is the median ratio of each pair. Needs an even --steps")
     p.add_argument("--policy", default="all", help="attach policy of the offload modes (default: all)")
     p.add_argument("--out", default="results/bench.json", help="JSON results file; '' for none (default: results/bench.json)")
     p.add_argument("--plot", default="results/bench.png", help="PNG of step time and memory per mode; '' for none (default: results/bench.png)")
@@ -129,6 +130,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
         prefetch_bytes=None if args.prefetch_bytes is None else parse_bytes(args.prefetch_bytes, name="--prefetch-bytes"),
         num_threads=args.num_threads,
         measure_memory=not args.no_memory,
+        paired=getattr(args, "paired", False),
     )
 
 
@@ -146,7 +148,9 @@ def summarize(results: list[Any]) -> dict[str, Any]:
 
     Each ratio is taken within one round (against that round's ``keep``), and the
     summary's ``step_ratio`` / ``memory_ratio`` is the median over rounds; the
-    per-round ratios are in ``step_ratios`` / ``memory_ratios``. Losses agree when they
+    per-round ratios are in ``step_ratios`` / ``memory_ratios``. Paired runs add
+    ``paired_ratio``: the median, over every pair of every round, of an offloaded
+    step's time over its paused partner's (``paired_ratios``). Losses agree when they
     agree in every round.
     """
     from gds_offload.bench.runner import compare_losses
@@ -167,7 +171,11 @@ def summarize(results: list[Any]) -> dict[str, Any]:
                 row["step_ratios"].append(r.median_step_s / keep.median_step_s)
                 if r.peak_activation_bytes is not None and keep.peak_activation_bytes:
                     row["memory_ratios"].append(r.peak_activation_bytes / keep.peak_activation_bytes)
-    for row in rows.values():
+    for mode, row in rows.items():
+        pairs = [a / b for r in results if r.mode == mode and r.status == "ok" for a, b in zip(r.step_seconds, r.paired_keep_seconds) if b]
+        if pairs:
+            row["paired_ratios"] = pairs
+            row["paired_ratio"] = statistics.median(pairs)
         row["step_ratio"] = statistics.median(row["step_ratios"]) if row["step_ratios"] else None
         row["memory_ratio"] = statistics.median(row["memory_ratios"]) if row["memory_ratios"] else None
     checked = [v["losses_agree"] for v in rows.values() if v["losses_agree"] is not None]
@@ -198,11 +206,13 @@ def combine_rounds(results: list[Any]) -> list[Any]:
             out.append(bad or runs[0])
             continue
         steps = [s for r in runs for s in r.step_seconds]
+        paused = [s for r in runs for s in r.paired_keep_seconds]
         peaks = [r.peak_activation_bytes for r in runs if r.peak_activation_bytes is not None]
         median = statistics.median(steps)
         out.append(replace(
             runs[0],
             step_seconds=steps,
+            paired_keep_seconds=paused,
             median_step_s=median,
             tokens_per_s=runs[0].tokens_per_step / median if median else None,
             peak_activation_bytes=int(statistics.median(peaks)) if peaks else None,
@@ -227,12 +237,15 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
     if not console.is_terminal:
         console = Console(width=150)  # a file or a pipe: no 80-column wrapping
     table = Table(title=title)
-    for col in ("mode", "step (median)", "x keep", "peak act. mem", "x keep", "tokens/s", "offloaded/step", "dedup/step", "I/O wait/step", "losses = keep"):
+    paired = any("paired_ratio" in s for s in summary["modes"].values())
+    cols = ["mode", "step (median)", "x keep", *(["x keep, paired"] if paired else []), "peak act. mem", "x keep",
+            "tokens/s", "offloaded/step", "dedup/step", "I/O wait/step", "losses = keep"]
+    for col in cols:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in results:
         s = summary["modes"][r.mode]
         if r.status != "ok":
-            table.add_row(r.mode, f"[red]{r.status}[/]" if r.status == "error" else f"[yellow]{r.status}[/]", *["-"] * 8)
+            table.add_row(r.mode, f"[red]{r.status}[/]" if r.status == "error" else f"[yellow]{r.status}[/]", *["-"] * (len(cols) - 2))
             continue
         off = r.offload or {}
         steps = max(1, off.get("steps", 0) or len(r.step_seconds))
@@ -241,6 +254,7 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
             r.mode,
             f"{r.median_step_s:.3f} s",
             f"{s['step_ratio']:.2f}" if s.get("step_ratio") is not None else "-",
+            *([f"{s['paired_ratio']:.2f}" if "paired_ratio" in s else "-"] if paired else []),
             _fmt_bytes(r.peak_activation_bytes),
             f"{s['memory_ratio']:.2f}" if s.get("memory_ratio") is not None else "-",
             f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
@@ -304,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: need at least 1 round")
+        if args.paired and args.steps % 2:
+            raise ConfigError(f"--paired --steps {args.steps}: pairs need an even number of measured steps, e.g. --steps 8")
         base = base_spec(args, device)
         modes = select_modes(args.modes, device, base.path)
     except (ConfigError, ValueError) as exc:
@@ -349,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
         title = f"gds-offload bench: {base.model} layers={base.layers} hidden={base.hidden} seq={base.seq} batch={base.batch} on {device}"
         if args.rounds > 1:
             title += f"; {args.rounds} interleaved rounds, x keep = median of per-round ratios"
+        if args.paired:
+            title += "; x keep, paired = offloaded step / paused step in one process"
         render_table(rows, summary, title=title)
         if args.out:
             Console().print(f"results: {args.out}" + (f", plot: {args.plot}" if args.plot else ""))
