@@ -249,6 +249,8 @@ def test_demo_command(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "loss curves agree" in text and "yes" in text and "I/O hidden behind compute" in text
+    assert "offloaded / paused, same process (1 pair)" in text
+    assert main(["demo", "--steps", "3"]) == 2 and "even number" in capsys.readouterr().err
 
 
 def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch) -> None:

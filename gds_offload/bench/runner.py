@@ -728,7 +728,7 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
                 now = torch.cuda.max_memory_allocated() if cuda else _proc_status_bytes("VmHWM") if hwm else None
                 paired_peak = max(paired_peak, now or 0)
             (result.step_seconds if offloaded else result.paired_keep_seconds).append(dt)
-            record(i, "measure", loss, dt)
+            record(i, "measure" if offloaded else "paused", loss, dt)
         if cuda:
             peak_abs: int | None = paired_peak if paired else torch.cuda.max_memory_allocated()
         else:

@@ -10,6 +10,9 @@ own); this process shows their progress live and the comparison at the end.
 Figures in the summary:
 
 * **step time**: median over the measured steps (warm-up excluded), and offload / keep.
+  The offload run alternates offloaded steps with :meth:`~gds_offload.Offloader.paused`
+  ones (``RunSpec(paired=True)``), so a second ratio compares steps seconds apart in one
+  process: on a shared machine it is the steadier of the two.
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
   peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.runner`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
@@ -24,6 +27,7 @@ Figures in the summary:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import deque
 from dataclasses import replace
@@ -37,7 +41,7 @@ _HISTORY = 12
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, steps=6, warmup=2)
+    add_model_arguments(p, steps=8, warmup=2)
     p.add_argument("--mode", default="auto", help="engine: auto, gds, compat, posix or host (default: auto)")
     p.add_argument("--policy", default="all", help="attach policy: all or adaptive (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without offloading (no comparison)")
@@ -128,6 +132,9 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     k_step = keep.median_step_s if k_ok else None
     o_step = off.median_step_s if o_ok else None
     table.add_row("median step time", f"{k_step:.3f} s" if k_step else "-", f"{o_step:.3f} s" if o_step else "-", ratio(o_step, k_step))
+    if o_ok and off.paired_keep_seconds:
+        pairs = [a / b for a, b in zip(off.step_seconds, off.paired_keep_seconds) if b]
+        table.add_row(f"step time, offloaded / paused, same process ({len(pairs)} pair{'' if len(pairs) == 1 else 's'})", "", "", f"{statistics.median(pairs):.2f}x")
     k_mem = keep.peak_activation_bytes if k_ok else None
     o_mem = off.peak_activation_bytes if o_ok else None
     table.add_row("peak activation memory (measured)", _gb(k_mem), _gb(o_mem), ratio(o_mem, k_mem))
@@ -155,12 +162,14 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     try:
         spec = base_spec(args, device)
+        if args.steps % 2:
+            raise ConfigError(f"--steps {args.steps}: the offload run times pairs of an offloaded and a paused step; use an even number")
         offload_mode = f"adaptive:{args.mode}" if args.policy == "adaptive" else f"offload:{args.mode}"
         parse_mode(offload_mode)
     except (ConfigError, ValueError) as exc:
         print(f"gds-offload demo: {exc}", file=sys.stderr)
         return 2
-    spec = replace(spec, progress=True, policy="all" if args.policy == "adaptive" else args.policy)
+    spec = replace(spec, progress=True, paired=True, policy="all" if args.policy == "adaptive" else args.policy)
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)  # a file or a pipe: no 80-column wrapping
