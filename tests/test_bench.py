@@ -296,7 +296,7 @@ def test_plot_from_dicts(tmp_path) -> None:
 
     rows = [
         {"mode": "keep", "status": "ok", "median_step_s": 1.0, "peak_activation_bytes": 2 << 30},
-        {"mode": "offload:posix", "status": "ok", "median_step_s": 1.1, "peak_activation_bytes": 1 << 29},
+        {"mode": "offload:posix", "status": "ok", "median_step_s": 1.1, "peak_activation_bytes": 1 << 29, "paired_ratio": 1.04},
         {"mode": "adaptive", "status": "unavailable"},
     ]
     out = plot_results(rows, tmp_path / "x" / "p.png")

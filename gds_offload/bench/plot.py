@@ -17,7 +17,8 @@ def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-o
 
     Bars are labelled with their ratio to ``keep``: a row's own ``step_ratio`` /
     ``memory_ratio`` when it has them (``bench --rounds``: the median of per-round
-    ratios), else the bar over ``keep``'s when ``keep`` ran. Modes that did not run are
+    ratios), else the bar over ``keep``'s when ``keep`` ran. A ``paired_ratio``
+    (``bench --paired``) is added to the step-time label. Modes that did not run are
     left out.
 
     Args:
@@ -67,8 +68,11 @@ def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-o
         top = max(values, default=0) or 1
         for i, v in enumerate(values):
             text = fmt.format(v) + (f"  ({ratios[i]:.2f}x)" if ratios[i] is not None else "")
+            paired = _get(rows[i], "paired_ratio") if ax is axes[0] else None
+            if paired is not None:
+                text += f"  (paired {paired:.2f}x)"
             ax.text(v + top * 0.01, i, text, va="center", fontsize=9)
-        ax.set_xlim(0, top * 1.35)
+        ax.set_xlim(0, top * (1.75 if ax is axes[0] and any(_get(r, "paired_ratio") for r in rows) else 1.35))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -575,6 +575,15 @@ def _offload_snapshot(off: Any) -> dict[str, Any]:
     }
 
 
+def abba_first_half(k: int) -> bool:
+    """Whether measured step ``k`` of a paired run is the treated half of its pair (A in ABBA).
+
+    Pair ``j`` is steps ``2j`` and ``2j + 1``: A then B when ``j`` is even, B then A when it
+    is odd, so a steady drift of the machine's speed cancels over two pairs.
+    """
+    return (k % 2 == 0) == ((k // 2) % 2 == 0)
+
+
 def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
     """Whether ``spec``'s offload mode is bit-exact, decided in this one process.
 
@@ -713,10 +722,7 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
         hwm = result.memory_source.startswith("VmHWM")
         paired_peak = 0
         for i in range(spec.warmup, spec.warmup + spec.steps):
-            k = i - spec.warmup
-            # ABBA: pair j runs offloaded-then-paused when j is even, else paused-then-offloaded,
-            # so a steady drift of the machine's speed cancels over two pairs.
-            offloaded = not paired or (k % 2 == 0) == ((k // 2) % 2 == 0)
+            offloaded = not paired or abba_first_half(i - spec.warmup)
             if paired and offloaded:  # the peak of offloaded steps only
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()

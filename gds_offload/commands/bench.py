@@ -163,8 +163,8 @@ def summarize(results: list[Any]) -> dict[str, Any]:
         keep = next((r for r in per_round[k] if r.mode == "keep" and r.status == "ok"), None)
         for r in per_round[k]:
             row = rows.setdefault(r.mode, {"status": r.status, "losses_agree": None, "step_ratios": [], "memory_ratios": []})
-            if r.status != "ok" or row["status"] != "ok":
-                row["status"] = r.status if row["status"] == "ok" else row["status"]
+            if row["status"] == "ok":  # a mode that failed in any round shows that failure
+                row["status"] = r.status
             if agree.get(r.mode) is not None:
                 row["losses_agree"] = agree[r.mode] and row["losses_agree"] is not False
             if keep is not None and r.status == "ok" and keep.median_step_s:
@@ -196,8 +196,6 @@ def combine_rounds(results: list[Any]) -> list[Any]:
     rest come from the mode's first round. A mode that failed in any round is that
     failed row.
     """
-    from gds_offload.bench.runner import RunResult
-
     out: list[Any] = []
     for mode in dict.fromkeys(r.mode for r in results):
         runs = [r for r in results if r.mode == mode]
@@ -218,7 +216,6 @@ def combine_rounds(results: list[Any]) -> list[Any]:
             peak_activation_bytes=int(statistics.median(peaks)) if peaks else None,
             wall_s=sum(r.wall_s for r in runs),
         ))
-        assert isinstance(out[-1], RunResult)
     return out
 
 
@@ -355,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
             m = doc["machine"]
             title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
                      f"({m['cpu_usable']} CPUs{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
-            ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio")} for m, row in summary["modes"].items()}
+            ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio", "paired_ratio")} for m, row in summary["modes"].items()}
             plot_results([r.as_dict() | ratios[r.mode] for r in rows], args.plot, title=title)
         except ImportError as exc:
             console.print(f"[yellow]no plot: {exc}[/]")
