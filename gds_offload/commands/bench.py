@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     try:
         if args.rounds < 1:
-            raise ConfigError(f"--rounds {args.rounds}: need at least 1 round")
+            raise ConfigError(f"--rounds {args.rounds}: the modes must run at least once; pass --rounds 1 or more")
         if args.paired and args.steps % 2:
             raise ConfigError(f"--paired --steps {args.steps}: pairs need an even number of measured steps, e.g. --steps 8")
         base = base_spec(args, device)

@@ -25,11 +25,10 @@ import mmap
 import threading
 import weakref
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from typing import TYPE_CHECKING
 
 from gds_offload.io.base import Engine
 from gds_offload.store import ALIGN, align_up
@@ -89,11 +88,11 @@ def own_pages(buf: torch.Tensor) -> memoryview | None:
     """The page span of ``buf`` when every byte of it lies inside ``buf``'s storage (so it
     can be read into without touching anything else), else ``None``."""
     storage = buf.untyped_storage()
+    span = pages_around(buf)
     lo = buf.data_ptr() - head_of(buf)
-    hi = lo + align_up(head_of(buf) + buf.numel(), PAGE)
-    if lo < storage.data_ptr() or hi > storage.data_ptr() + storage.nbytes():
+    if lo < storage.data_ptr() or lo + len(span) > storage.data_ptr() + storage.nbytes():
         return None
-    return pages_around(buf)
+    return span
 
 
 def empty_like_head(nbytes: int, head: int, pool: HostBufferPool | None = None) -> torch.Tensor:

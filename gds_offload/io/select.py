@@ -63,10 +63,10 @@ def choose_engine(mode: Mode, path: Path | None, device: str | None = None) -> C
 
     ``device``: the device type of the tensors to move (``"cpu"``, ``"cuda"``; ``None``:
     not known, as for ``gds-offload info``). ``auto`` picks ``posix`` for CPU tensors:
-    cuFile has nothing to do for host memory, and on the 2-core test VM posix cost less
-    step time than KvikIO's compat mode in each of 4 runs of ``gds-offload bench
-    --modes keep,offload:posix,offload:compat`` on the demo model (1.03-1.09x keep
-    against 1.06-1.14x), with fewer threads (8 against KvikIO's 16 plus 16 issuing).
+    cuFile has nothing to do for host memory, and posix moves the same pages with fewer
+    threads (8 against KvikIO's 16 plus 16 issuing). On the 2-core test VM it cost less
+    step time than compat in each of 4 single runs of ``gds-offload bench`` on the demo
+    model; with ``--rounds 2 --steps 8 --paired`` the two tied (1.03x keep each).
 
     Raises:
         GDSUnavailableError: ``mode="gds"`` where the direct path does not work (names what is missing).
