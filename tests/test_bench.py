@@ -337,3 +337,18 @@ def test_io_floor_script_rejects_bad_arguments() -> None:
     for args, expected in ((["--engine", "host"], "invalid choice: 'host'"), (["--steps", "0"], "--steps 0: measured steps")):
         out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and expected in out.stderr, out.stderr
+
+
+def test_io_pages_script_measures_every_case(tmp_path) -> None:
+    """scripts/io_pages.py (the README's page-size figure) runs every case and writes its ratios."""
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "io_pages.py")
+    out_json = tmp_path / "pages.json"
+    args = ["--rounds", "1", "--rate", "50MB/s", "--size", "128", "--path", str(tmp_path), "--out", str(out_json)]
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out_json.read_text())
+    assert set(data["ratio"]) == {"none", "4k", "4k->huge", "huge"} and data["ratio"]["none"] == 1.0
+    assert all(len(v) == 1 and v[0] > 0 for v in data["seconds"].values())
+    assert data["huge_page_bytes"]["4k"] == 0, "the 4 KiB buffer was advised MADV_NOHUGEPAGE"
+    bad = subprocess.run([sys.executable, script, "--rounds", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rounds 0: need at least 1" in bad.stderr

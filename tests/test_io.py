@@ -17,7 +17,7 @@ from gds_offload.io import choose_engine, make_engine, validate_mode
 from gds_offload.io import posix as posix_mod
 from gds_offload.io import select as select_mod
 from gds_offload.io.kvikio_engine import kvikio_status
-from gds_offload.io.pages import HostBufferPool, empty_like_head, span_bytes
+from gds_offload.io.pages import HUGE_PAGE, HostBufferPool, empty_like_head, map_anonymous, span_bytes
 from gds_offload.store import ALIGN, Slot, SpillStore
 from gds_offload.units import parse_bandwidth
 
@@ -270,6 +270,43 @@ def test_read_buffers_are_reused_once_freed_and_the_idle_pool_is_capped() -> Non
     assert pool.idle_bytes == 3 * span_bytes(1 << 20), "idle buffers beyond the cap are unmapped"
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def _vm_flags(start: int, end: int) -> list[tuple[int, int, set[str]]]:
+    """(start, end, VmFlags) of this process's mappings that overlap ``[start, end)``."""
+    out, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            current = (lo, hi) if lo < end and hi > start else None
+        elif current is not None and line.startswith("VmFlags:"):
+            out.append((*current, set(line.split()[1:])))
+    return out
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="needs a Linux kernel with transparent huge pages (no /sys/kernel/mm/transparent_hugepage)")
+def test_read_buffers_ask_for_huge_pages_and_only_for_whole_ones() -> None:
+    """The pool's mappings are private, advised MADV_HUGEPAGE over their whole huge pages and
+    MADV_NOHUGEPAGE over the tail (so a kernel with THP "always" spends no extra huge page on it)."""
+    import ctypes
+
+    length = 3 * HUGE_PAGE + 5 * ALIGN
+    mm = map_anonymous(length)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    try:
+        assert len(mm) == 4 * HUGE_PAGE and start % HUGE_PAGE == 0, "rounded to huge pages, at a huge-page boundary"
+        vmas = _vm_flags(start, start + len(mm))
+        huge = [(lo, hi) for lo, hi, flags in vmas if "hg" in flags]
+        tail = [(lo, hi) for lo, hi, flags in vmas if "nh" in flags]
+        assert huge == [(start, start + 3 * HUGE_PAGE)], vmas
+        assert tail == [(start + 3 * HUGE_PAGE, start + 4 * HUGE_PAGE)], vmas
+        assert all("sh" not in flags for _, _, flags in vmas), "private, not shared memory"
+        pool = HostBufferPool(max_idle_bytes=0)
+        buf = pool.take(length)
+        assert buf.numel() == length and buf.data_ptr() % HUGE_PAGE == 0
+    finally:
+        mm.close()
 
 
 @pytest.mark.parametrize("mode", FILE_ENGINE_MODES)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gds_offload.io.base import Direction, io_error
-from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine
+from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, map_anonymous
 from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class PosixEngine(PageSpanEngine):
         # One aligned buffer per worker thread, reused for every chunk (mmap is page-aligned).
         local = self._local
         if not hasattr(local, "mm"):
-            local.mm = mmap.mmap(-1, self.chunk_bytes)
+            local.mm = map_anonymous(self.chunk_bytes)
             local.view = memoryview(local.mm)
             local.tensor = torch.frombuffer(local.mm, dtype=torch.uint8)
         return local.tensor, local.view
