@@ -281,6 +281,29 @@ def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, mo
     assert rc == 1 and "NOT bit-identical in one process" in capsys.readouterr().out
 
 
+def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
+    """bench, like demo: an offload mode whose losses differ from keep's process is re-checked in
+    one process; the run fails only if that check fails (or the mode cannot be checked)."""
+    import gds_offload.bench.runner as runner
+    from gds_offload.commands.bench import unexplained_differences
+
+    monkeypatch.setattr(runner, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
+    out = tmp_path / "bench.json"
+    rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
+    row = json.loads(out.read_text())["summary"]["modes"]["offload:posix"]
+    assert rc == 0 and row["losses_agree"] is False and row["exact_in_process"] is True
+    text = "".join(capsys.readouterr())
+    assert "checking in one process" in text and "bit-identical in one process" in text
+    monkeypatch.setattr(runner, "exact_in_process", lambda spec, steps=2: False)
+    rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
+    assert rc == 1 and json.loads(out.read_text())["summary"]["modes"]["offload:posix"]["exact_in_process"] is False
+    assert "NOT bit-identical in one process" in "".join(capsys.readouterr())
+    # recompute has no offloader to take out: a difference there stays unexplained.
+    summary = {"modes": {"keep": {"losses_agree": True}, "recompute": {"losses_agree": False},
+                         "adaptive": {"losses_agree": False, "exact_in_process": True}}}
+    assert unexplained_differences(summary) == ["recompute"]
+
+
 def test_io_hidden_fraction() -> None:
     from gds_offload.commands.demo import io_hidden_fraction
 

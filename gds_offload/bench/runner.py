@@ -315,6 +315,14 @@ LOSSES_DIFFER_NOTE = (
 )
 
 
+
+def in_process_verdict(exact: bool) -> str:
+    """The line (rich markup) that reports :func:`exact_in_process`'s answer after a cross-process difference."""
+    if exact:
+        return ("[green]bit-identical in one process[/] (2 steps without, then with the offloader, every loss and "
+                "gradient): the difference came from separate processes, not the offloader")
+    return "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]"
+
 def run_mode(
     spec: RunSpec,
     *,

@@ -188,6 +188,24 @@ def summarize(results: list[Any]) -> dict[str, Any]:
     }
 
 
+def check_in_process(summary: dict[str, Any], base: Any, console: Any = None) -> None:
+    """For each offload mode whose losses differed from keep's across processes, decide in one
+    process (:func:`~gds_offload.bench.runner.exact_in_process`) and record the verdict as the
+    mode's ``exact_in_process`` in ``summary``. Other modes (recompute, ...) are not checked."""
+    from gds_offload.bench.runner import exact_in_process, parse_mode
+
+    for mode, row in summary["modes"].items():
+        if row["losses_agree"] is False and parse_mode(mode)[0] in ("offload", "adaptive"):
+            if console is not None:
+                console.print(f"{mode}: losses differ from keep's process; checking in one process (2 steps without, then with) ...")
+            row["exact_in_process"] = exact_in_process(replace(base, mode=mode, progress=False))
+
+
+def unexplained_differences(summary: dict[str, Any]) -> list[str]:
+    """Modes whose losses differed from keep's and were not shown bit-identical in one process."""
+    return [m for m, row in summary["modes"].items() if row["losses_agree"] is False and row.get("exact_in_process") is not True]
+
+
 def combine_rounds(results: list[Any]) -> list[Any]:
     """One row per mode (in first-seen order) pooling its rounds.
 
@@ -265,12 +283,13 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: {r.error}")
     if summary["all_losses_agree"] is False:
-        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE
+        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE, in_process_verdict
 
         console.print("[red]losses differ between modes (bit-identical expected)[/]")
-        console.print(
-            f"[yellow]{LOSSES_DIFFER_NOTE}[/]"
-        )
+        console.print(f"[yellow]{LOSSES_DIFFER_NOTE}[/]")
+        for mode, row in summary["modes"].items():
+            if "exact_in_process" in row:
+                console.print(f"{mode}: {in_process_verdict(row['exact_in_process'])}")
 
 
 def round_order(modes: list[str], k: int) -> list[str]:
@@ -330,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
         with console.status("starting") as status:
             results = run_modes(base, modes, timeout_s=args.timeout, status=status, rounds=args.rounds)
     summary = summarize(results)
+    if summary["all_losses_agree"] is False:
+        check_in_process(summary, base, console)
     rows = combine_rounds(results)
     doc = {
         "command": getattr(args, "command_line", shlex.join(sys.argv)),
@@ -367,5 +388,5 @@ def run(args: argparse.Namespace) -> int:
         render_table(rows, summary, title=title)
         if args.out:
             Console().print(f"results: {args.out}" + (f", plot: {args.plot}" if args.plot else ""))
-    bad = summary["failed"] or summary["all_losses_agree"] is False
+    bad = summary["failed"] or unexplained_differences(summary)
     return 1 if bad else 0

@@ -198,12 +198,11 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]{r.mode}[/]: [red]{r.status}[/] {r.error}")
     exact = agree
     if agree is False:
-        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE, exact_in_process
+        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE, exact_in_process, in_process_verdict
 
         console.print(f"[yellow]Note: {LOSSES_DIFFER_NOTE}[/]")
         console.print("checking in one process: 2 steps without, then with the offloader, every loss and gradient ...")
         exact = exact_in_process(replace(spec, mode=offload_mode, progress=False))
-        console.print("[green]bit-identical in one process: the difference came from separate processes, not the offloader[/]"
-                      if exact else "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]")
+        console.print(in_process_verdict(exact))
     failed = any(r.status != "ok" for r in results)
     return 1 if failed or exact is False else 0
