@@ -163,6 +163,17 @@ def test_compare_losses_flags_a_difference() -> None:
 
 
 # ---------------------------------------------------------------------- commands
+def assert_exact(summary: dict) -> None:
+    """Every offload mode's losses and weights equal keep's: across processes, or, where torch's
+    kernels gave other last bits in another process (it happens with or without the offloader,
+    see README "Cross-process bit-identity"), in the bench's own check in one process."""
+    from gds_offload.commands.bench import unexplained_differences
+
+    assert unexplained_differences(summary) == [], summary
+    for mode, row in summary["modes"].items():
+        assert row["losses_agree"] is True or row.get("exact_in_process") is True, (mode, row)
+
+
 def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
     out, png = tmp_path / "r" / "bench.json", tmp_path / "r" / "bench.png"
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:host", "--path", str(tmp_path),
@@ -170,7 +181,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["modes"] == ["keep", "offload:host"] and "bench" in doc["command"]
-    assert doc["summary"]["all_losses_agree"] is True
+    assert_exact(doc["summary"])
     assert doc["summary"]["modes"]["offload:host"]["step_ratio"] > 0
     assert doc["machine"]["cpu_cores"] >= 1 and doc["machine"]["torch"] == torch.__version__
     assert [r["status"] for r in doc["results"]] == ["ok", "ok"]
@@ -231,7 +242,7 @@ def test_bench_command_paired(tmp_path, capsys) -> None:
     assert len(keep["step_seconds"]) == 4 and keep["paired_keep_seconds"] == []
     assert len(off["step_seconds"]) == len(off["paired_keep_seconds"]) == 2
     assert off["offload"]["steps"] == 2 and off["peak_activation_bytes"] is not None  # paused steps are not offloaded
-    assert doc["summary"]["all_losses_agree"] is True  # every step, offloaded or paused, equals keep's
+    assert_exact(doc["summary"])  # every step, offloaded or paused, equals keep's
     ratios = doc["summary"]["modes"]["offload:posix"]["paired_ratios"]
     assert ratios == pytest.approx([a / b for a, b in zip(off["step_seconds"], off["paired_keep_seconds"])])
     assert "paired" in capsys.readouterr().out.split("results:")[0]
@@ -248,7 +259,8 @@ def test_demo_command(tmp_path, capsys) -> None:
     rc = main(["demo", *TINY_ARGS, "--mode", "host", "--path", str(tmp_path)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert "loss curves agree" in text and "yes" in text and "I/O hidden behind compute" in text
+    assert "loss curves agree" in text and "I/O hidden behind compute" in text
+    assert "NO" not in text or "bit-identical in one process (2 steps" in text, text  # see assert_exact
     assert "offloaded / paused, same process (1 pair)" in text
     assert main(["demo", "--steps", "3"]) == 2 and "even number" in capsys.readouterr().err
 

@@ -309,11 +309,10 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 #: Printed by ``bench`` and ``demo`` when modes disagree.
 LOSSES_DIFFER_NOTE = (
     "modes run in separate processes with MKL_CBWR=AUTO,STRICT so that torch's CPU kernels give the same bits in "
-    "each; a few runs of the demo model still differ in their last step, with or without the offloader "
-    "(see gds_offload.bench.runner). If losses still differ, rerun with OMP_NUM_THREADS=1: a difference that "
-    "stays is the offloader's, and a bug; please report it with the JSON file."
+    "each; a few runs of the demo model still differ in their last steps, with or without the offloader "
+    "(see gds_offload.bench.runner). So an offload mode that differs is checked again in one process, 2 steps "
+    "without and then with the offloader, where only the offloader can make a difference."
 )
-
 
 
 def in_process_verdict(exact: bool) -> str:
@@ -322,6 +321,7 @@ def in_process_verdict(exact: bool) -> str:
         return ("[green]bit-identical in one process[/] (2 steps without, then with the offloader, every loss and "
                 "gradient): the difference came from separate processes, not the offloader")
     return "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]"
+
 
 def run_mode(
     spec: RunSpec,

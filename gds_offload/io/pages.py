@@ -132,7 +132,8 @@ def map_anonymous(length: int) -> mmap.mmap:
     mapped = align_up(length, HUGE_PAGE)
     mm = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = length // HUGE_PAGE * HUGE_PAGE
-    for advice, start, size in ((getattr(mmap, "MADV_HUGEPAGE", None), 0, whole), (getattr(mmap, "MADV_NOHUGEPAGE", None), whole, mapped - whole)):
+    ranges = ((getattr(mmap, "MADV_HUGEPAGE", None), 0, whole), (getattr(mmap, "MADV_NOHUGEPAGE", None), whole, mapped - whole))
+    for advice, start, size in ranges:
         if advice is not None and size:
             with contextlib.suppress(OSError):  # EINVAL: a kernel built without THP
                 mm.madvise(advice, start, size)
@@ -142,8 +143,8 @@ def map_anonymous(length: int) -> mmap.mmap:
 class HostBufferPool:
     """Page-aligned host buffers for reads, handed out again once the tensors viewing them die.
 
-    Each buffer is a mapping of its own (:func:`map_anonymous`). It comes back to the pool when the last
-    tensor that views it is freed (whatever thread frees it), and is kept for the next
+    Each buffer is a mapping of its own (:func:`map_anonymous`). It comes back to the pool
+    when the last tensor that views it is freed (whatever thread frees it), and is kept for the next
     request of the same length while the idle total stays under ``max_idle_bytes``;
     beyond that it is unmapped. Idle buffers are host memory that is resident but holds
     no activation: ``idle_bytes`` says how much. Thread-safe.
