@@ -9,7 +9,7 @@ their reads could not be hidden anyway.
 Policies:
 
 * :class:`OffloadAll` (``policy="all"``): everything but the last ``keep_last`` units.
-* :class:`Adaptive` (``policy="adaptive"``): profiles a step, then offloads the largest
+* :class:`Adaptive` (``policy="adaptive"``): profiles a step after a warm-up one, then offloads the largest
   set of units whose I/O the simulated step hides behind compute (TBA's adaptive
   offloading, with backward measured rather than assumed to be 2x forward). Re-plans
   when bandwidth, sizes or the layer count drift.
@@ -216,8 +216,11 @@ def _drift(old: StepProfile, new: StepProfile, tol: float = 0.10) -> str:
 class Adaptive:
     """Offload the largest set of units whose I/O hides behind compute.
 
-    The first step offloads everything but the last ``keep_last`` units and is the
-    profile. The plan then keeps units from the end (they have the least compute left
+    The first ``warmup_steps + 1`` steps offload everything but the last ``keep_last``
+    units; the last of them is the profile. The warm-up steps are not measured: they pay
+    one-time costs (read buffers mapped and faulted in, spill files grown), and a plan made
+    from them could see a slow drive, keep every unit, and then never measure the drive
+    again. The plan then keeps units from the end (they have the least compute left
     to hide their reads behind) until the simulated stall is under ``tolerance`` of the
     step. Later steps refine the measurements; the plan is redone when bandwidth moves
     by more than ``bandwidth_drift``, when sizes or the layer count change, or when a
@@ -229,11 +232,13 @@ class Adaptive:
         max_prefetch_units: deepest prefetch the plan may choose. A deeper prefetch hides
             slower reads but holds more units in memory; the plan picks the depth with the
             lowest predicted peak.
+        warmup_steps: steps offloaded in full but not measured before the profiled one.
     """
 
     keep_last: int = 1
     tolerance: float = 0.02
     max_prefetch_units: int = 3
+    warmup_steps: int = 1
     bandwidth_drift: float = 0.25
     name: str = "adaptive"
     prefetch_units: int = 1
@@ -244,9 +249,11 @@ class Adaptive:
     _planned_at: tuple[float, float] = (0.0, 0.0)
     _planned_for: StepProfile | None = None
     _events: list[str] = field(default_factory=list)
+    _unmeasured: int = 0
 
     def __post_init__(self) -> None:
         self._fallback = OffloadAll(self.keep_last)
+        self._unmeasured = self.warmup_steps
 
     def begin_forward(self, layer_calls: int) -> None:
         self._fallback.begin_forward(layer_calls)
@@ -255,6 +262,9 @@ class Adaptive:
         return self._fallback.offload(unit) if self._offload is None else unit in self._offload
 
     def observe(self, profile: StepProfile) -> None:
+        if self._unmeasured > 0:
+            self._unmeasured -= 1
+            return
         m = self._measured
         m.update(profile)
         if self._planned_for is None:
@@ -330,7 +340,7 @@ class Adaptive:
     def plan(self) -> Plan:
         if self._plan is None:
             p = self._fallback.plan()
-            p.policy, p.reason = self.name, "profiling (first step offloads all but the last layers)"
+            p.policy, p.reason = self.name, f"profiling (the first {self.warmup_steps + 1} steps offload all but the last layers)"
             return p
         return self._plan
 

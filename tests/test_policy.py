@@ -64,7 +64,7 @@ def test_simulate_peak_counts_kept_units_and_writes_in_flight() -> None:
 
 
 def test_adaptive_plan_keeps_from_the_end_until_io_hides() -> None:
-    pol = Adaptive(keep_last=1)
+    pol = Adaptive(keep_last=1, warmup_steps=0)
     pol.begin_forward(6)
     p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
     slow = StepProfile(p.units, write_bps=300e6, read_bps=300e6, io_wait_s=0, peak_resident_bytes=0, fixed_bytes=0)
@@ -77,7 +77,7 @@ def test_adaptive_plan_keeps_from_the_end_until_io_hides() -> None:
 
 
 def test_adaptive_replans_when_bandwidth_drops() -> None:
-    pol = Adaptive(keep_last=1)
+    pol = Adaptive(keep_last=1, warmup_steps=0)
     pol.begin_forward(6)
     p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
     fast = StepProfile(p.units, write_bps=5e9, read_bps=5e9, io_wait_s=0, peak_resident_bytes=0, fixed_bytes=0)
@@ -89,6 +89,20 @@ def test_adaptive_replans_when_bandwidth_drops() -> None:
     plan = pol.plan()
     assert len(plan.offloaded_units()) < 5
     assert any("bandwidth" in e or "stalled" in e for e in plan.events), plan.events
+
+
+def test_adaptive_does_not_plan_from_its_warm_up_step() -> None:
+    """A slow first step (buffers mapped, files grown) must not become the plan: with it, the
+    plan would keep every unit and never measure the drive again."""
+    pol = Adaptive(keep_last=1)
+    pol.begin_forward(6)
+    p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
+    cold = StepProfile(p.units, write_bps=1e6, read_bps=1e6, io_wait_s=2.0, peak_resident_bytes=0, fixed_bytes=0)
+    warm = StepProfile(p.units, write_bps=5e9, read_bps=5e9, io_wait_s=0, peak_resident_bytes=0, fixed_bytes=0)
+    pol.observe(cold)
+    assert "profiling" in pol.plan().reason and pol.offload(1), "still offloading everything while it profiles"
+    pol.observe(warm)
+    assert pol.plan().offloaded_units() == set(range(1, 6)), pol.plan()
 
 
 def test_budget_rejects_nonsense() -> None:
@@ -145,7 +159,7 @@ def test_adaptive_under_a_bandwidth_cap_stops_stalling(gpt, spill_dir) -> None:
         all_wait = off.stats().io_wait_seconds
     assert stalled.stalls > 0 and all_wait > 0.1, "the cap must make offload-all wait, or this test shows nothing"
     with gds_offload.attach(model, path=spill_dir, mode="posix", policy="adaptive", max_bandwidth=cap) as off:
-        for _ in range(3):  # profile, plan, settle
+        for _ in range(4):  # warm up, profile, plan, settle
             _step(model, batch)
         off.stats(reset=True)
         _step(model, batch)
@@ -193,6 +207,8 @@ def test_plan_renders_as_a_table(gpt, spill_dir) -> None:
 
     model, batch = gpt
     with gds_offload.attach(model, path=spill_dir, mode="posix", policy="adaptive") as off:
+        assert "profiling" in off.plan().reason
+        _step(model, batch)  # warm-up: not measured
         assert "profiling" in off.plan().reason
         _step(model, batch)
         console = Console(record=True, width=160)
