@@ -252,6 +252,10 @@ class Adaptive:
     _unmeasured: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            from gds_offload.errors import ConfigError
+
+            raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps!r}): unmeasured steps before the profile; use 0 or more")
         self._fallback = OffloadAll(self.keep_last)
         self._unmeasured = self.warmup_steps
 

@@ -38,6 +38,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from gds_offload.bench.machine import describe  # noqa: E402
+from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.io.pages import HUGE_PAGE, map_anonymous  # noqa: E402
 from gds_offload.store import default_spill_dir, prepare_dir  # noqa: E402
 from gds_offload.units import parse_bandwidth  # noqa: E402
@@ -108,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: need at least 1")
-    rate = parse_bandwidth(args.rate)
+    if args.size < 1:
+        parser.error(f"--size {args.size}: the matrices' side, need at least 1")
+    try:
+        rate = parse_bandwidth(args.rate, name="--rate")
+    except ConfigError as exc:
+        parser.error(str(exc))
     console = Console()
     directory = prepare_dir(Path(args.path) if args.path else default_spill_dir(), create=True)
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".io_pages-") as f:

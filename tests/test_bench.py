@@ -387,3 +387,6 @@ def test_io_pages_script_measures_every_case(tmp_path) -> None:
     assert data["huge_page_bytes"]["4k"] == 0, "the 4 KiB buffer was advised MADV_NOHUGEPAGE"
     bad = subprocess.run([sys.executable, script, "--rounds", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--rounds 0: need at least 1" in bad.stderr
+    for args, expected in ((["--rate", "fast"], "--rate='fast'"), (["--size", "0"], "--size 0: the matrices' side")):
+        bad = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and expected in bad.stderr, bad.stderr

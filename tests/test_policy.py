@@ -105,6 +105,11 @@ def test_adaptive_does_not_plan_from_its_warm_up_step() -> None:
     assert pol.plan().offloaded_units() == set(range(1, 6)), pol.plan()
 
 
+def test_adaptive_rejects_negative_warmup() -> None:
+    with pytest.raises(ConfigError, match=r"warmup_steps=-1.*use 0 or more"):
+        Adaptive(warmup_steps=-1)
+
+
 def test_budget_rejects_nonsense() -> None:
     with pytest.raises(ConfigError, match="40 gigs"):
         Budget("40 gigs")

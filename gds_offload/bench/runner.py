@@ -592,6 +592,11 @@ def abba_first_half(k: int) -> bool:
     return (k % 2 == 0) == ((k // 2) % 2 == 0)
 
 
+def paired_ratios(result: RunResult) -> list[float]:
+    """Each pair's offloaded step time over its paused partner's (empty unless the run was paired)."""
+    return [a / b for a, b in zip(result.step_seconds, result.paired_keep_seconds) if b]
+
+
 def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
     """Whether ``spec``'s offload mode is bit-exact, decided in this one process.
 

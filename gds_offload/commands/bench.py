@@ -153,7 +153,7 @@ def summarize(results: list[Any]) -> dict[str, Any]:
     step's time over its paused partner's (``paired_ratios``). Losses agree when they
     agree in every round.
     """
-    from gds_offload.bench.runner import compare_losses
+    from gds_offload.bench.runner import compare_losses, paired_ratios
 
     rounds = sorted({r.round for r in results})
     per_round = {k: [r for r in results if r.round == k] for k in rounds}
@@ -172,7 +172,7 @@ def summarize(results: list[Any]) -> dict[str, Any]:
                 if r.peak_activation_bytes is not None and keep.peak_activation_bytes:
                     row["memory_ratios"].append(r.peak_activation_bytes / keep.peak_activation_bytes)
     for mode, row in rows.items():
-        pairs = [a / b for r in results if r.mode == mode and r.status == "ok" for a, b in zip(r.step_seconds, r.paired_keep_seconds) if b]
+        pairs = [x for r in results if r.mode == mode and r.status == "ok" for x in paired_ratios(r)]
         if pairs:
             row["paired_ratios"] = pairs
             row["paired_ratio"] = statistics.median(pairs)

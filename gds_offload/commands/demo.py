@@ -118,6 +118,8 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     """The keep-vs-offload comparison table."""
     from rich.table import Table
 
+    from gds_offload.bench.runner import paired_ratios
+
     table = Table(title="demo summary", show_header=True)
     table.add_column("")
     table.add_column("keep (no offload)", justify="right")
@@ -132,8 +134,8 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     k_step = keep.median_step_s if k_ok else None
     o_step = off.median_step_s if o_ok else None
     table.add_row("median step time", f"{k_step:.3f} s" if k_step else "-", f"{o_step:.3f} s" if o_step else "-", ratio(o_step, k_step))
-    if o_ok and off.paired_keep_seconds:
-        pairs = [a / b for a, b in zip(off.step_seconds, off.paired_keep_seconds) if b]
+    pairs = paired_ratios(off) if o_ok else []
+    if pairs:
         table.add_row(f"step time, offloaded / paused, same process ({len(pairs)} pair{'' if len(pairs) == 1 else 's'})", "", "", f"{statistics.median(pairs):.2f}x")
     k_mem = keep.peak_activation_bytes if k_ok else None
     o_mem = off.peak_activation_bytes if o_ok else None
