@@ -217,8 +217,9 @@ def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
     assert summarize(rows + [RunResult("a", "error", "boom", round=3)])["failed"] == ["a"]
 
 
-def test_bench_command_rounds(tmp_path, capsys) -> None:
+def test_bench_command_rounds(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "bench.json"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the children inherit it; each records what torch used
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:host", "--rounds", "2", "--path", str(tmp_path),
                "--out", str(out), "--plot", ""])
     assert rc == 0
@@ -226,7 +227,9 @@ def test_bench_command_rounds(tmp_path, capsys) -> None:
     assert [(r["mode"], r["round"]) for r in doc["results"]] == [
         ("keep", 0), ("offload:host", 0), ("offload:host", 1), ("keep", 1)]
     assert doc["summary"]["rounds"] == 2 and len(doc["summary"]["modes"]["offload:host"]["step_ratios"]) == 2
-    assert "2 interleaved rounds" in capsys.readouterr().out
+    assert [r["torch_threads"] for r in doc["results"]] == [1, 1, 1, 1]
+    text = " ".join(capsys.readouterr().out.split())  # the title may wrap
+    assert "2 interleaved rounds" in text and "torch threads: 1" in text
     assert main(["bench", "--rounds", "0", "--out", "", "--plot", ""]) == 2
     assert "--rounds 0" in capsys.readouterr().err
 

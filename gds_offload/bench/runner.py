@@ -190,6 +190,8 @@ class RunResult:
     engine: str | None = None
     engine_reason: str | None = None
     gds: bool | None = None
+    #: torch's intra-op threads in the child (``torch.get_num_threads()``; ``OMP_NUM_THREADS`` sets it).
+    torch_threads: int | None = None
     #: ``OffloadStats.as_dict()`` over the measured steps (offload modes only).
     offload: dict[str, Any] | None = None
     #: Names of the layers the mode planned (offload) or checkpointed (recompute) by.
@@ -660,7 +662,8 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     torch.use_deterministic_algorithms(True, warn_only=True)
     if kind == "save_on_cpu" and not cuda:
         raise Unavailable("save_on_cpu moves CUDA activations to host memory; it needs --device cuda")
-    result = RunResult(spec.mode, model=spec.model, device=spec.device, tokens_per_step=spec.tokens_per_step)
+    result = RunResult(spec.mode, model=spec.model, device=spec.device, tokens_per_step=spec.tokens_per_step,
+                       torch_threads=torch.get_num_threads())
     wl = build_workload(spec)
     model = wl.model
     model.train()
