@@ -377,6 +377,25 @@ def test_io_floor_script_rejects_bad_arguments() -> None:
         assert out.returncode == 2 and expected in out.stderr, out.stderr
 
 
+def test_step_cpu_script_accounts_offloaded_and_paused_steps(tmp_path) -> None:
+    """scripts/step_cpu.py (the README's CPU accounting): every figure for both kinds of step;
+    paused steps save nothing through the hooks, offloaded ones do."""
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "step_cpu.py")
+    out_json = tmp_path / "cpu.json"
+    args = [*TINY_ARGS, "--mode", "posix", "--path", str(tmp_path), "--out", str(out_json)]
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out_json.read_text())
+    assert [r["offloaded"] for r in data["steps"]] == [True, False]  # pair 0 is offloaded, then paused (ABBA)
+    offloaded, paused = data["steps"]
+    assert offloaded["packed_bytes"] > 0 and paused["packed_bytes"] == 0
+    assert set(data["medians"]["offloaded"]) == set(data["medians"]["paused"]) >= {"wall_s", "main_preempted", "offloader_cpu_s"}
+    assert data["engine"] == "posix" and data["bytes_offloaded"] > 0 and len(data["paired_ratios"]) == 1
+    for args, expected in ((["--steps", "3"], "--steps 3: pairs"), (["--device", "cuda"], "--device cuda: this script")):
+        bad = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and expected in bad.stderr, bad.stderr
+
+
 def test_io_pages_script_measures_every_case(tmp_path) -> None:
     """scripts/io_pages.py (the README's page-size figure) runs every case and writes its ratios."""
     script = str(Path(__file__).resolve().parents[1] / "scripts" / "io_pages.py")

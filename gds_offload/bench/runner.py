@@ -562,7 +562,8 @@ def _checkpoint_layers(layers: list[tuple[str, Any]]) -> None:
         layer.forward = forward
 
 
-def _attach_kwargs(spec: RunSpec, engine: str, policy: str) -> dict[str, Any]:
+def attach_kwargs(spec: RunSpec, engine: str, policy: str) -> dict[str, Any]:
+    """The :func:`gds_offload.attach` keyword arguments of ``spec`` (its unset options left to attach's defaults)."""
     kw: dict[str, Any] = {"mode": engine, "policy": policy}
     for name in ("path", "max_bandwidth", "keep_last", "min_bytes", "prefetch_bytes", "num_threads"):
         value = getattr(spec, name)
@@ -621,7 +622,7 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
         wl = build_workload(replace(spec, mode="keep"))
         model = wl.model
         model.train()
-        off = gds_offload.attach(model, **_attach_kwargs(spec, engine or "auto", policy)) if offloaded else None
+        off = gds_offload.attach(model, **attach_kwargs(spec, engine or "auto", policy)) if offloaded else None
         seen: list[torch.Tensor] = []
         try:
             for i in range(steps):
@@ -673,7 +674,7 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
         import gds_offload
 
         try:
-            off = gds_offload.attach(model, **_attach_kwargs(spec, engine or "auto", "adaptive" if kind == "adaptive" else spec.policy))
+            off = gds_offload.attach(model, **attach_kwargs(spec, engine or "auto", "adaptive" if kind == "adaptive" else spec.policy))
         except gds_offload.ConfigError as exc:
             raise Unavailable(str(exc)) from exc
         result.engine, result.engine_reason, result.gds = off.engine.name, off.stats().engine_reason, off.engine.uses_gds
