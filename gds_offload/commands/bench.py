@@ -366,15 +366,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    # On a CPU the thread count decides how much of the cores the I/O has to take from the model.
+    counts = sorted({r.torch_threads for r in rows if r.torch_threads})
+    threads = f"torch threads: {'/'.join(map(str, counts))}" if counts and device == "cpu" else ""
     if args.plot:
         try:
             from gds_offload.bench.plot import plot_results
 
             m = doc["machine"]
-            threads = sorted({r.torch_threads for r in rows if r.torch_threads})
-            on_cpu = f", torch threads: {'/'.join(map(str, threads))}" if threads and device == "cpu" else ""
             title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
-                     f"({m['cpu_usable']} CPUs{on_cpu}{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
+                     f"({m['cpu_usable']} CPUs{', ' + threads if threads else ''}{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
             ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio", "paired_ratio")} for m, row in summary["modes"].items()}
             plot_results([r.as_dict() | ratios[r.mode] for r in rows], args.plot, title=title)
         except ImportError as exc:
@@ -383,9 +384,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         title = f"gds-offload bench: {base.model} layers={base.layers} hidden={base.hidden} seq={base.seq} batch={base.batch} on {device}"
-        threads = sorted({r.torch_threads for r in rows if r.torch_threads})
-        if threads and device == "cpu":
-            title += f" (torch threads: {'/'.join(map(str, threads))})"
+        if threads:
+            title += f" ({threads})"
         if args.rounds > 1:
             title += f"; {args.rounds} interleaved rounds, x keep = median of per-round ratios"
         if args.paired:
