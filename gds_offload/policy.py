@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from gds_offload.errors import OffloadError
+from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.profile import Simulation, StepProfile, simulate
 from gds_offload.units import format_bytes, parse_bytes
 
@@ -253,8 +253,6 @@ class Adaptive:
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            from gds_offload.errors import ConfigError
-
             raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps!r}): unmeasured steps before the profile; use 0 or more")
         self._fallback = OffloadAll(self.keep_last)
         self._unmeasured = self.warmup_steps
@@ -377,8 +375,6 @@ class Budget:
     def __post_init__(self) -> None:
         self._limit = parse_bytes(self.bytes, name="Budget.bytes")
         if self._limit <= 0:
-            from gds_offload.errors import ConfigError
-
             raise ConfigError(f"Budget({self.bytes!r}) must be positive, e.g. Budget('40GiB')")
 
     def begin_forward(self, layer_calls: int) -> None:

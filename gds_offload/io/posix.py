@@ -11,7 +11,6 @@ requests in flight.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -125,7 +124,7 @@ class PosixEngine(PageSpanEngine):
         return result
 
     def _bounce(self) -> tuple[torch.Tensor, memoryview]:
-        # One aligned buffer per worker thread, reused for every chunk (mmap is page-aligned).
+        # One aligned buffer per worker thread, reused for every chunk (map_anonymous is page-aligned).
         local = self._local
         if not hasattr(local, "mm"):
             local.mm = map_anonymous(self.chunk_bytes)
