@@ -205,6 +205,15 @@ class Offloader:
                     setattr(keep, k, v)
             return snap
 
+    def synchronize(self) -> None:
+        """Block until every write in flight has finished (successfully or not).
+
+        After it returns, every offloaded tensor's bytes are on the drive, and tensors whose
+        write finished before backward reached their layer are no longer in memory: the
+        next backward reads them back. Tests use it to force that timing.
+        """
+        self.scheduler.wait_inflight()
+
     def plan(self) -> Plan:
         """The policy's current per-layer decision with its reasons (printable with ``rich.print``)."""
         return self.scheduler.policy.plan()
