@@ -56,10 +56,10 @@ def _where(slot: Slot) -> str:
 
 def checked_write(future: IOFuture, nbytes: int, slot: Slot) -> OffloadError | None:
     """The error of a finished write, or None. A write that moved fewer than ``nbytes`` is an error."""
-    try:
-        moved = future.wait(0)
-    except OffloadError as exc:
-        return exc
+    exc = future.error(0)
+    if exc is not None:
+        return exc if isinstance(exc, OffloadError) else OffloadError(str(exc))
+    moved = future.moved()
     if moved != nbytes:
         return OffloadError(f"short write: {moved} of {nbytes} bytes reached {_where(slot)}")
     return None
@@ -76,8 +76,12 @@ def checked_read(future: IOFuture, dst: torch.Tensor, slot: Slot, expected: int 
     nbytes = dst.numel()
 
     def check(done: IOFuture) -> None:
+        failure = done.error(0)
+        if failure is not None:
+            out.set_exception(failure)
+            return
         try:
-            moved = done.wait(0)
+            moved = done.moved()
             if moved != nbytes:
                 raise OffloadError(f"short read: {moved} of {nbytes} bytes came back from {_where(slot)}")
             if expected is not None:
@@ -89,7 +93,7 @@ def checked_read(future: IOFuture, dst: torch.Tensor, slot: Slot, expected: int 
                         f"changed after the write, or the drive returned bad data"
                     )
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            out.set_exception(exc)
+            out.set_exception(exc.with_traceback(None))  # no frames: they would hold dst until GC
             return
         out.set_result(moved)
 

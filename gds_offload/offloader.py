@@ -27,6 +27,7 @@ import difflib
 import functools
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,11 +40,12 @@ from torch.utils.hooks import RemovableHandle
 
 from gds_offload.errors import ConfigError
 from gds_offload.io import choose_engine, make_engine, validate_mode
+from gds_offload.io.base import Engine
 from gds_offload.layers import resolve_layers
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
-from gds_offload.store import SpillStore, default_spill_dir
+from gds_offload.store import Slot, SpillStore, default_spill_dir
 from gds_offload.units import parse_bandwidth, parse_bytes
 
 __all__ = ["attach", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
@@ -69,7 +71,17 @@ class OffloadConfig:
     on_error: Literal["fallback", "raise"]
     num_threads: int | None = None
     verify: bool = False
+    write_window: int | None = None
     default_path: bool = field(default=False, compare=False)
+
+
+@dataclass
+class _ThreadState:
+    """What one thread's forwards of the attached model are doing."""
+
+    depth: int = 0
+    ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+    paused: int = 0
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -113,16 +125,17 @@ class Offloader:
         self.engine = engine
         self.store = store
         self.scheduler = Scheduler(
-            SchedulerConfig(config.min_bytes, config.prefetch_bytes, config.on_error, verify=config.verify),
+            SchedulerConfig(
+                config.min_bytes, config.prefetch_bytes, config.on_error, verify=config.verify, write_window_bytes=config.write_window
+            ),
             policy,
             engine,
             store,
             self._stats,
         )
         self._model_ref = weakref.ref(model)
-        self._hook_ctx: list[torch.autograd.graph.saved_tensors_hooks] = []
-        self._depth = 0
-        self._paused = 0
+        #: Per thread: nesting depth of the model's forward, the hooks context it entered, pauses.
+        self._tls = threading.local()
         self._handles: list[RemovableHandle] = []
         self._attached = True
         self._handles.append(model.register_forward_pre_hook(self._root_pre))
@@ -136,33 +149,54 @@ class Offloader:
         self._had_forward_attr = "forward" in model.__dict__
         model.forward = self._guard  # type: ignore[method-assign]
         model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
+        self._pid = os.getpid()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ hooks
+    def _thread(self) -> _ThreadState:
+        st = getattr(self._tls, "state", None)
+        if st is None:
+            st = self._tls.state = _ThreadState()
+        return st
+
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or (self._paused and not self._depth):
+        st = self._thread()
+        if not torch.is_grad_enabled() or (st.paused and not st.depth):
             return
-        self._depth += 1
-        if self._depth > 1:
-            return  # the model calls itself: one forward
-        params = [p for p in module.parameters()] + [b for b in module.buffers()]
-        self._fid = self.scheduler.begin_forward(params, len(self.layer_names))
+        if st.depth:
+            st.depth += 1  # the model calls itself: one forward
+            return
+        if os.getpid() != self._pid:
+            self._after_fork()
+        # Transactional: whatever raises below (hooks disabled by the caller or by torch.func,
+        # a pending offload error) leaves the offloader exactly as it was.
         ctx = torch.autograd.graph.saved_tensors_hooks(self.scheduler.pack, self.scheduler.unpack)
-        ctx.__enter__()
-        self._hook_ctx.append(ctx)
+        ctx.__enter__()  # first: where hooks are refused, PyTorch's own message is the one to see
+        try:
+            params = [p for p in module.parameters()] + [b for b in module.buffers()]
+            self.scheduler.begin_forward(params, len(self.layer_names))
+        except BaseException:
+            ctx.__exit__(None, None, None)
+            raise
+        st.ctx, st.depth = ctx, 1
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._hook_ctx or self._depth == 0:
+        st = self._thread()
+        if st.depth == 0:
             return
-        self._depth -= 1
-        if self._depth:
+        st.depth -= 1
+        if st.depth:
             return
-        ctx = self._hook_ctx.pop()
-        ctx.__exit__(None, None, None)
+        self._leave_forward(st)
         position = self.scheduler.current_position()
         self.scheduler.end_forward()
         if position is not None:
             self._on_backward_of(output, *position)
+
+    def _leave_forward(self, st: _ThreadState) -> None:
+        ctx, st.ctx, st.depth = st.ctx, None, 0
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
     def _layer_post(self, module: nn.Module, args: Any, output: Any) -> None:
         position = self.scheduler.current_position()
@@ -177,36 +211,73 @@ class Offloader:
 
     def _abort_forward(self) -> None:
         """Forward was interrupted (KeyboardInterrupt, SystemExit): pop the hooks, end the forward."""
-        if not self._hook_ctx and not self._depth:
+        st = self._thread()
+        if not st.depth:
             return
-        self._depth = 0
-        while self._hook_ctx:
-            self._hook_ctx.pop().__exit__(None, None, None)
+        self._leave_forward(st)
         if self.scheduler.current_position() is not None:
             self.scheduler.end_forward()
 
+    def _after_fork(self) -> None:
+        """The first forward in a forked child: a spill store and engine of its own.
+
+        The child inherited the parent's spill file descriptor and a copy of its slot
+        allocator; sharing them would let parent and child overwrite each other's slots.
+        KvikIO's thread pool does not survive ``fork``, so a KvikIO engine becomes posix.
+        """
+        self._pid = os.getpid()
+        name = self.engine.name
+        if name in ("gds", "compat"):
+            warnings.warn(
+                f"gds_offload: this process was forked after attach(); KvikIO ({name}) does not survive fork, "
+                "so this child offloads through the posix engine. Attach in the child, or start workers "
+                "with the 'spawn' method, to keep KvikIO",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            name = "posix"
+        self.store.forget()  # the child's copies of the descriptors; the parent's stay open
+        engine = make_engine(name, max_bandwidth=self.config.max_bandwidth, num_threads=self.config.num_threads)  # type: ignore[arg-type]
+        store = SpillStore(list(self.config.paths) if engine.needs_files else [])
+        self.engine, self.store = engine, store
+        self._stats.engine = engine.name
+        self.scheduler.after_fork(engine, store)
+
     # ------------------------------------------------------------------ public
     def stats(self, *, reset: bool = False) -> OffloadStats:
-        """A snapshot of the counters. ``reset=True`` zeroes them (peak included) after reading."""
-        with self.scheduler._lock:
-            e = self.engine.stats()
-            snap = replace(
-                self._stats,
-                write_seconds=e.write_busy_seconds,
-                read_seconds=e.read_busy_seconds,
-                spill_file_bytes=self.store.file_bytes(),
-                layers=self.scheduler.layer_stats(),
-            )
-            if reset:
-                keep = self._stats
-                fresh = OffloadStats(engine=keep.engine, engine_reason=keep.engine_reason, gds=keep.gds)
-                fresh.resident_bytes = fresh.peak_resident_bytes = keep.resident_bytes
-                for k, v in vars(fresh).items():
-                    setattr(keep, k, v)
-            return snap
+        """A snapshot of the counters. ``reset=True`` zeroes them (peaks included) after reading."""
+        live, layers = self.scheduler.snapshot()
+        e = self.engine.stats()
+        snap = replace(
+            live,
+            write_seconds=e.write_busy_seconds,
+            read_seconds=e.read_busy_seconds,
+            spill_file_bytes=self.store.file_bytes(),
+            layers=layers,
+        )
+        if reset:
+            fresh = OffloadStats(engine=live.engine, engine_reason=live.engine_reason, gds=live.gds)
+            fresh.resident_bytes = fresh.peak_resident_bytes = live.resident_bytes
+            fresh.write_window_bytes = live.write_window_bytes
+            for k, v in vars(fresh).items():
+                setattr(live, k, v)
+        return snap
+
+    def spilled(self) -> list[tuple[Slot, int]]:
+        """Where the bytes are that only the drive holds now: ``(slot, nbytes)`` per live tensor
+        storage. ``self.engine.data_offset(slot)`` is the file offset of the first byte."""
+        return self.scheduler.spilled()
+
+    def use_engine(self, engine: Engine) -> None:
+        """Move bytes through ``engine`` from now on, e.g. a
+        :class:`~gds_offload.io.faults.FaultyEngine` wrapping :attr:`engine`. Call it between
+        steps, with no transfer in flight; the old engine is not closed (a wrapper owns it)."""
+        self.synchronize()
+        self.scheduler.use_engine(engine)
+        self.engine = engine
 
     def synchronize(self) -> None:
-        """Block until every write in flight has finished (successfully or not).
+        """Block until every write and read in flight has finished (successfully or not).
 
         After it returns, every offloaded tensor's bytes are on the drive, and tensors whose
         write finished before backward reached their layer are no longer in memory: the
@@ -224,19 +295,21 @@ class Offloader:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Forwards that *start* inside this block run as if nothing were attached.
+        """Forwards that *start* inside this block, on this thread, run as if nothing were attached.
 
         Autograd keeps what they save in memory, nothing is written, and they do not
-        count in :meth:`stats` or feed the policy. A forward already running when the
-        block is entered, and graphs built before it, are still served by the offloader.
-        Blocks nest. For an A/B comparison in one process (``gds-offload bench --paired``)
-        or a step that must not touch the drive.
+        count in :meth:`stats` or feed the policy. Other threads' forwards, a forward
+        already running when the block is entered, and graphs built before it, are still
+        served by the offloader. Blocks nest. For an A/B comparison in one process
+        (``gds-offload bench --paired``), a step that must not touch the drive, or a
+        ``torch.func`` transform (which refuses saved-tensor hooks).
         """
-        self._paused += 1
+        st = self._thread()
+        st.paused += 1
         try:
             yield
         finally:
-            self._paused -= 1
+            st.paused -= 1
 
     def detach(self) -> None:
         """Remove every hook, wait for in-flight writes, release the spill store. Idempotent.
@@ -250,8 +323,9 @@ class Offloader:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        while self._hook_ctx:  # detach() called from inside forward
-            self._hook_ctx.pop().__exit__(None, None, None)
+        st = self._thread()
+        if st.depth:  # detach() called from inside forward
+            self._leave_forward(st)
         model = self._model_ref()
         if model is not None and model.__dict__.get("forward") is self._guard:
             if self._had_forward_attr:
@@ -303,6 +377,7 @@ def attach(
     on_error: Literal["fallback", "raise"] = "fallback",
     num_threads: int | None = None,
     verify: bool = False,
+    write_window: int | str | None = None,
 ) -> Offloader:
     """Offload the activations ``model`` saves for backward to NVMe (or host memory).
 
@@ -390,6 +465,7 @@ def attach(
         on_error=on_error,
         num_threads=num_threads,
         verify=bool(verify),
+        write_window=None if write_window is None else parse_bytes(write_window, name="write_window"),
         default_path=default_path,
     )
     return Offloader(model, config, resolve_layers(model, layers))

@@ -97,6 +97,8 @@ class Policy(Protocol):
 
     name: str
     prefetch_units: int
+    #: Whether ``observe`` uses the profile's times (reading CUDA events synchronises the device).
+    needs_timing: bool
 
     def begin_forward(self, layer_calls: int) -> None: ...
 
@@ -242,6 +244,7 @@ class Adaptive:
     bandwidth_drift: float = 0.25
     name: str = "adaptive"
     prefetch_units: int = 1
+    needs_timing: bool = True
     _fallback: OffloadAll = field(default_factory=OffloadAll)
     _measured: _Measured = field(default_factory=_Measured)
     _plan: Plan | None = None
@@ -364,6 +367,7 @@ class Budget:
     bytes: int | str
     name: str = "budget"
     prefetch_units: int = 1
+    needs_timing: bool = True
     _limit: int = 0
     _n: int = 0
     _kept: int = 0  # number of units kept from the end

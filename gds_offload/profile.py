@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnitProfile", "StepProfile", "Clock", "simulate", "Simulation"]
+__all__ = ["UnitProfile", "StepProfile", "Clock", "NoTiming", "UnitRecord", "ForwardRecord", "simulate", "Simulation"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,108 @@ def simulate(profile: StepProfile, offload: set[int], *, write_bps: float, read_
         peak = max(peak, level)
     forwarded = frozenset(k for k, done in read_done.items() if done < 0)
     return Simulation(sum(stalls), t, profile.fixed_bytes + peak, io_bytes, tuple(stalls), forwarded)
+
+
+@dataclass(eq=False)
+class UnitRecord:
+    """What the scheduler records of one unit (layer call) of one forward. ``t_*`` are :class:`Clock` marks."""
+
+    name: str
+    t_start: Any = None
+    t_end: Any = None
+    t_backward: Any = None
+    #: Entries offloaded from this unit (their reads are issued together, ahead of its backward).
+    entries: list[Any] = field(default_factory=list)
+    offloaded_bytes: int = 0
+    #: Bytes this unit could offload (>= min_bytes, after dedup), whatever the policy said.
+    eligible_bytes: int = 0
+    prefetched: bool = False
+    #: Time backward waited for this unit's reads, and forward for the write window:
+    #: waiting, not compute, so subtracted from the unit's times.
+    read_wait_s: float = 0.0
+    write_wait_s: float = 0.0
+
+
+@dataclass(eq=False)
+class ForwardRecord:
+    """One forward of the attached model, from its root pre-hook until its backward ends.
+
+    Owned by the scheduler; touched under its lock. ``dedup`` maps ``(storage, version)``
+    to the entries saved over that storage in *this* forward only: bytes are never shared
+    across forwards, since a buffer refilled between steps may keep its version.
+    """
+
+    id: int
+    clock: Clock
+    #: Storages of the model's parameters and buffers: saved as they are, never offloaded.
+    param_storages: frozenset[int]
+    units: list[UnitRecord] = field(default_factory=list)
+    dedup: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    #: Handles of this forward still held by autograd.
+    live_handles: int = 0
+    fixed_bytes: int = 0
+    read_wait_s: float = 0.0
+    peak_resident_bytes: int = 0
+    #: The root forward returned (an inner backward, e.g. a gradient penalty, may run before).
+    ended: bool = False
+    #: A callback is queued to run when the current backward pass ends.
+    backward_queued: bool = False
+
+    @property
+    def unit(self) -> int:
+        return len(self.units) - 1
+
+    def begin_unit(self, name: str) -> UnitRecord:
+        now = self.clock.mark()
+        if self.units:
+            self.units[-1].t_end = now
+        self.units.append(UnitRecord(name, t_start=now))
+        return self.units[-1]
+
+    def end(self) -> None:
+        self.units[-1].t_end = self.clock.mark()
+        self.ended = True
+
+    def profile(self, clock: Clock, *, write_bps: float, read_bps: float) -> StepProfile:
+        """This forward and its backward as a :class:`StepProfile` (call once its backward ended).
+
+        ``clock``: this record's clock, or one that reads no CUDA events (policies that do not
+        plan by time skip the device synchronisation that reading them costs).
+        """
+        end_backward = clock.mark()
+        units = self.units
+        rows = []
+        for k, u in enumerate(units):
+            t_next = units[k + 1].t_start if k + 1 < len(units) else u.t_end
+            b_end = units[k - 1].t_backward if k >= 2 else (end_backward if k == 1 else None)
+            backward = clock.seconds(u.t_backward, b_end) - u.read_wait_s if u.t_backward is not None else 0.0
+            rows.append(
+                UnitProfile(
+                    name=u.name,
+                    forward_s=max(0.0, clock.seconds(u.t_start, t_next) - u.write_wait_s),
+                    backward_s=max(0.0, backward),
+                    eligible_bytes=u.eligible_bytes,
+                    offloaded_bytes=u.offloaded_bytes,
+                )
+            )
+        return StepProfile(
+            units=tuple(rows),
+            write_bps=write_bps,
+            read_bps=read_bps,
+            io_wait_s=self.read_wait_s,
+            peak_resident_bytes=self.peak_resident_bytes,
+            fixed_bytes=self.fixed_bytes,
+        )
+
+
+class NoTiming(Clock):
+    """A clock that records nothing (see :meth:`ForwardRecord.profile`)."""
+
+    def __init__(self) -> None:
+        self.cuda = False
+
+    def mark(self) -> Any:
+        return None
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return 0.0

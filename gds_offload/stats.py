@@ -48,11 +48,20 @@ class OffloadStats:
     #: Largest total of saved-activation bytes the scheduler held in memory at once.
     peak_resident_bytes: int = 0
     resident_bytes: int = 0
+    #: The peak of each part of the resident bytes: kept (never written), held by writes in
+    #: flight, and read back ahead of backward (or still in memory when backward came).
+    peak_kept_bytes: int = 0
+    peak_writing_bytes: int = 0
+    peak_loaded_bytes: int = 0
+    #: The bound on bytes held by writes in flight (``attach(write_window=...)``, or derived).
+    write_window_bytes: int = 0
     #: Engine wall time with a write (read) in flight.
     write_seconds: float = 0.0
     read_seconds: float = 0.0
-    #: Time the training thread was blocked waiting for I/O.
+    #: Time the training thread was blocked waiting for I/O: reads in backward, and the
+    #: write window in forward (``write_wait_seconds`` of it).
     io_wait_seconds: float = 0.0
+    write_wait_seconds: float = 0.0
     #: Unpacks that had to wait for a read.
     stalls: int = 0
     spill_file_bytes: int = 0

@@ -237,6 +237,16 @@ class SpillStore:
                     os.close(f.fd)
                     f.fd = -1
 
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the files, leaving the parent's intact.
+
+        Takes no lock: another thread of the parent may have held it when the process forked."""
+        self._closed = True
+        for f in self.files:
+            if f.fd >= 0:
+                os.close(f.fd)
+                f.fd = -1
+
     def _grow(self, f: SpillFile, need: int) -> None:
         # Extend the file; if its tail is free, the new space merges with it.
         grow = max(GROW_BYTES, need)

@@ -24,9 +24,7 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} is a bool; pass a byte count such as 4096 or '40GiB'")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{name}={value!r} is negative; pass a byte count >= 0")
-        return int(value)
+        return _checked(value, value, name)
     if not isinstance(value, str):
         raise ConfigError(f"{name}={value!r} ({type(value).__name__}) is not a size; pass an int or a string like '40GiB'")
     m = _SIZE.match(value)
@@ -36,7 +34,21 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
             f"{name}={value!r} is not a size; write a number with an optional unit "
             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '40GiB' or '512MB'"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    return _checked(float(m.group(1)) * _UNITS[unit], value, name)
+
+
+#: Sizes above this (an exbibyte) are typos, not drives.
+_MAX_BYTES = 1 << 60
+
+
+def _checked(n: int | float, given: object, name: str) -> int:
+    if n != n or n in (float("inf"), float("-inf")):
+        raise ConfigError(f"{name}={given!r} is not a finite number; pass a byte count such as 4096 or '40GiB'")
+    if n < 0:
+        raise ConfigError(f"{name}={given!r} is negative; pass a byte count >= 0")
+    if n > _MAX_BYTES:
+        raise ConfigError(f"{name}={given!r} is larger than 1 EiB; pass a byte count such as 4096 or '40GiB'")
+    return int(n)
 
 
 def parse_bandwidth(value: int | float | str, *, name: str = "max_bandwidth") -> float:

@@ -54,7 +54,7 @@ def rss_bytes() -> int:
 def sample(step: int, off: gds_offload.Offloader) -> Sample:
     # Writes still in flight hold their source tensors and slots; they are a backlog, not a
     # leak (the drive is slower than compute on a busy machine). Drain them, then measure.
-    off.scheduler.wait_inflight()
+    off.synchronize()
     gc.collect()
     return Sample(
         step=step,

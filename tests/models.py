@@ -276,5 +276,5 @@ def fill(path: Path, *, leave_bytes: int = 0) -> Path:
 
 def settled(off: gds_offload.Offloader) -> gds_offload.OffloadStats:
     """``off.stats()`` once every write in flight has landed (bytes_offloaded counts completed writes)."""
-    off.scheduler.wait_inflight()
+    off.synchronize()
     return off.stats()

@@ -370,7 +370,7 @@ def _racy_step(model: nn.Module, x: torch.Tensor, stream: torch.cuda.Stream, off
         model.zero_grad(set_to_none=True)
         out = model(x)
         if off is not None:
-            off.scheduler.wait_inflight()
+            off.synchronize()
         loss = out.square().mean()
         loss.backward()
     torch.cuda.synchronize(x.device)
@@ -480,7 +480,7 @@ def _train_gpt(
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
                 loss = lm_loss(model, tokens)
             if off is not None and step == 1:
-                off.scheduler.wait_inflight()
+                off.synchronize()
             loss.backward()
             results.append(grads_of(model, loss))
             opt.step()
@@ -559,7 +559,7 @@ def test_policy_all_cuts_peak_gpu_memory(mode: str, spill_path: Path, determinis
     _peak_step(model, tokens)  # warm-up: cuBLAS workspaces and kernels are allocated once
     keep_peak, ref = _peak_step(model, tokens)
     with gds_offload.attach(model, path=spill_path, mode=mode, policy="all") as off:
-        hooks = [b.register_forward_pre_hook(lambda *_: off.scheduler.wait_inflight()) for b in model.blocks]
+        hooks = [b.register_forward_pre_hook(lambda *_: off.synchronize()) for b in model.blocks]
         try:
             _peak_step(model, tokens)
             off_peak, got = _peak_step(model, tokens)

@@ -20,7 +20,7 @@ def test_bytes_really_go_to_storage(engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
     with offload_everything(model, tmp_path, engine) as off:
         train_step(model, inputs)
-        off.scheduler.wait_inflight()
+        off.synchronize()
         st = settled(off)
         written = off.engine.stats().bytes_written
     assert st.bytes_offloaded > 0 and st.spill_file_bytes > 0
@@ -61,7 +61,7 @@ def test_no_slot_left_and_spill_file_flat(engine: str, tmp_path) -> None:
         sizes = []
         for step in range(8):
             train_step(model, inputs, seed=step)
-            off.scheduler.wait_inflight()
+            off.synchronize()
             assert off.store.allocated_bytes() == 0, f"slots still allocated after step {step}"
             sizes.append(settled(off).spill_file_bytes)
         assert settled(off).resident_bytes == 0
@@ -76,7 +76,7 @@ def test_unpack_twice_identical(engine: str, tmp_path) -> None:
     model = nn.Sequential(w, nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
     with offload_everything(model, tmp_path, engine) as off:
         y = model(x)
-        off.scheduler.wait_inflight()
+        off.synchronize()
         expected = torch.tanh(w(x)).detach()
         first = y.grad_fn.next_functions[0][0]  # AddmmBackward of the 2nd Linear
         a = first._saved_mat1
@@ -114,8 +114,9 @@ class _SyncEngine(Engine):
 
 def use_sync_engine(off: gds_offload.Offloader) -> gds_offload.Offloader:
     """``off``, its engine replaced by a :class:`_SyncEngine` (before any step ran)."""
-    off.engine.close()
-    off.engine = off.scheduler.engine = _SyncEngine()
+    old = off.engine
+    off.use_engine(_SyncEngine())
+    old.close()
     return off
 
 

@@ -201,7 +201,7 @@ def test_detach_while_graph_alive(engine: str, tmp_path) -> None:
     off = offload_everything(model, tmp_path, engine)
     torch.manual_seed(9)
     loss = model(*inputs)
-    off.scheduler.wait_inflight()
+    off.synchronize()
     assert settled(off).bytes_offloaded > 0
     off.detach()
     loss.backward()
@@ -220,7 +220,7 @@ def test_detach_between_two_backwards_of_a_retained_graph(engine: str, tmp_path)
         loss = model(*inputs)
         loss.backward(retain_graph=True)
         if off is not None:
-            off.scheduler.wait_inflight()
+            off.synchronize()
             off.detach()
         loss.backward()
         return grads_of(model, loss)

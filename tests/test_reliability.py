@@ -61,7 +61,7 @@ def test_full_tmpfs_falls_back_warns_once_and_recovers(tmp_path) -> None:
             # space freed later is used again
             filler.unlink()
             assert_same(ref, train_step(model, inputs))
-            off.scheduler.wait_inflight()
+            off.synchronize()
             st2 = settled(off)
             assert st2.bytes_offloaded > 0 and st2.bytes_fallback == st.bytes_fallback
 
@@ -115,7 +115,7 @@ def test_enospc_on_write_falls_back(engine: str, tmp_path) -> None:
         assert len(msgs) == 1, msgs
         assert str(tmp_path) in msgs[0] and "No space left on device" in msgs[0] and "bytes" in msgs[0]
         assert st.bytes_fallback == 3 * 32 * 1024 and st.bytes_offloaded > 0
-        off.scheduler.wait_inflight()
+        off.synchronize()
         assert off.store.allocated_bytes() == 0
 
 
@@ -141,7 +141,7 @@ def test_on_error_raise_surfaces_in_backward(engine: str, tmp_path) -> None:
         inject(off, Fault("write", "eio", nth=writes))  # the last write of the next forward
         model.zero_grad(set_to_none=True)
         loss = model(*inputs).pow(2).mean()
-        off.scheduler.wait_inflight()
+        off.synchronize()
         with pytest.raises(OffloadError, match="could not offload"):
             loss.backward()
 
@@ -153,7 +153,7 @@ def test_read_failure_while_detaching(engine: str, tmp_path) -> None:
     off = offload_everything(model, tmp_path, engine)
     inject(off, Fault("read", "eio", nth=1))
     loss = model(*inputs).pow(2).mean()
-    off.scheduler.wait_inflight()
+    off.synchronize()
     off.detach()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
     with pytest.raises(OffloadError):
@@ -218,7 +218,7 @@ def test_short_pwrite_and_preadv_retried_to_completion(tmp_path, monkeypatch) ->
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1234)
         loss = model(*inputs)
-        off.scheduler.wait_inflight()  # everything on disk: backward reads it all back
+        off.synchronize()  # everything on disk: backward reads it all back
         loss.backward()
         monkeypatch.undo()
         assert_same(ref, grads_of(model, loss))
@@ -246,11 +246,11 @@ def _forward_then_tamper(model, inputs, off, tamper) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
     out = model(*inputs)
-    off.scheduler.wait_inflight()
-    live = [e for e in off.scheduler._slotted if e.handles and e.source is None]
+    off.synchronize()
+    live = off.spilled()
     assert live, "some tensor is only on disk"
-    victim = max(live, key=lambda e: e.nbytes)
-    tamper(off.engine.data_offset(victim.slot), victim.slot)
+    slot, _ = max(live, key=lambda s: s[1])
+    tamper(off.engine.data_offset(slot), slot)
     return out if out.dim() == 0 else out.float().pow(2).mean()
 
 
@@ -380,7 +380,7 @@ def test_interrupt_mid_forward_releases_everything(exc: type[BaseException], tmp
     w = torch.randn(128, 128, requires_grad=True)
     torch.tanh(inputs[0] @ w).sum().backward()
     assert settled(off).bytes_packed == packed
-    off.scheduler.wait_inflight()
+    off.synchronize()
     assert off.store.allocated_bytes() == 0  # the aborted graph is gone, so are its slots
     assert_same(ref, train_step(model, inputs))  # and the model trains on, exactly
     off.detach()
@@ -395,7 +395,8 @@ def test_detach_during_in_flight_step(engine: str, tmp_path) -> None:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
     loss = model(*inputs)
-    assert off.scheduler._inflight, "writes still in flight"
+    st = off.stats()
+    assert st.bytes_offloaded < st.bytes_packed - st.bytes_kept, "writes still in flight"
     off.detach()
     loss.backward()
     assert_same(ref, grads_of(model, loss))
@@ -437,7 +438,7 @@ def test_ten_thousand_small_tensors_per_step(tmp_path) -> None:
     ref = train_step(model, x)
     with offload_everything(model, tmp_path) as off:
         assert_same(ref, train_step(model, x))
-        off.scheduler.wait_inflight()
+        off.synchronize()
         assert off.engine.stats().writes >= 10_000
         assert off.store.allocated_bytes() == 0
 
@@ -569,7 +570,7 @@ def test_sparse_saved_tensor_kept_and_exact(engine: str, tmp_path) -> None:
     ref = train_step(model, x)
     with offload_everything(model, tmp_path, engine) as off:
         assert_same(ref, train_step(model, x))
-        off.scheduler.wait_inflight()
+        off.synchronize()
         st = settled(off)
     assert st.bytes_unsupported > 0 and st.bytes_offloaded > 0
 
@@ -620,7 +621,7 @@ def test_nested_and_quantized_saved_tensors_kept_and_exact(kind: str, tmp_path) 
         warnings.simplefilter("ignore", UserWarning)  # prototype/deprecation notices of torch itself
         with offload_everything(model, tmp_path) as off:
             assert_same(ref, train_step(model, x))
-            off.scheduler.wait_inflight()
+            off.synchronize()
             st = settled(off)
     assert st.bytes_unsupported > 0 and st.bytes_offloaded > 0
 

@@ -77,6 +77,11 @@ class IOFuture:
         f.set_result(nbytes)
         return cls(f, nbytes)
 
+    @property
+    def token(self) -> object:
+        """Identifies the transfer: equal for every wrapper of it (callbacks get new wrappers)."""
+        return self._future
+
     def done(self) -> bool:
         """True once the transfer finished, successfully or not. Never blocks."""
         return self._future.done()
@@ -86,8 +91,21 @@ class IOFuture:
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Block until done; return the bytes moved. Raises :class:`OffloadError` on failure,
-        ``TimeoutError`` if ``timeout_s`` passes first."""
+        ``TimeoutError`` if ``timeout_s`` passes first.
+
+        Raising hands out the stored exception, whose traceback then holds the caller's
+        frames: code that keeps the future should use :meth:`error` instead."""
         return self._future.result(timeout_s)
+
+    def error(self, timeout_s: float | None = None) -> BaseException | None:
+        """Block until done; return the failure, or None. Never raises the transfer's error,
+        so no caller frame is attached to the exception the future keeps."""
+        return self._future.exception(timeout_s)
+
+    def moved(self) -> int:
+        """The bytes moved by a transfer that finished without error."""
+        assert self._future.done() and self._future.exception() is None, "moved() of a failed or pending transfer"
+        return self._future.result()
 
     def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
         """Call ``fn(self)`` when done, on the engine thread that finished it (or now, if done)."""

@@ -212,14 +212,17 @@ def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, afte
     out: Future[int] = Future()
 
     def done(f: IOFuture, _keep: Any = keep) -> None:  # _keep: the buffer lives until the transfer ends
+        failure = f.error(0)
+        if failure is not None:
+            out.set_exception(failure)
+            return
         try:
-            moved = f.wait(0)
             if after is not None:
                 after()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            out.set_exception(exc)
+            out.set_exception(exc.with_traceback(None))
             return
-        out.set_result(report if report is not None else moved)
+        out.set_result(report if report is not None else f.moved())
 
     inner.add_done_callback(done)
     return out
@@ -239,6 +242,5 @@ def inject(off: Offloader, *faults: Fault | str) -> FaultyEngine:
     for f in faults:
         parsed.extend(parse_faults(f) if isinstance(f, str) else [f])
     engine = FaultyEngine(off.engine, parsed)
-    off.engine = engine
-    off.scheduler.engine = engine
+    off.use_engine(engine)
     return engine

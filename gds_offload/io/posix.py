@@ -92,13 +92,18 @@ class PosixEngine(PageSpanEngine):
     def _split(
         self, kind: Direction, length: int, total: int, ready: Any, slot: Slot, move: Callable[[int, int], None]
     ) -> Future[int]:
-        """Run ``move(lo, n)`` over ``[0, length)`` in chunks on the pool; the future gives ``total``."""
+        """Run ``move(lo, n)`` over ``[0, length)`` in chunks on the pool; the future gives ``total``.
+
+        The future completes only when every chunk has finished or failed: a failed chunk
+        must not let the caller free (and reuse) a slot that other chunks still write.
+        """
         result: Future[int] = Future()
         if total == 0:
             result.set_result(0)
             return result
         starts = range(0, length, self.chunk_bytes)
         remaining = [len(starts)]
+        failure: list[BaseException] = []
         lock = threading.Lock()
 
         def run(lo: int) -> None:
@@ -111,13 +116,15 @@ class PosixEngine(PageSpanEngine):
                     move(lo, n)
             except BaseException as exc:  # noqa: BLE001 - handed to the future
                 with lock:
-                    if not result.done():
-                        result.set_exception(io_error(kind, total, slot, exc))
-                return
+                    failure.append(exc.with_traceback(None))  # no frames: they would hold the buffers
             with lock:
                 remaining[0] -= 1
-                if remaining[0] == 0 and not result.done():
-                    result.set_result(total)
+                if remaining[0]:
+                    return
+            if failure:
+                result.set_exception(io_error(kind, total, slot, failure[0]))
+            else:
+                result.set_result(total)
 
         for lo in starts:
             self._pool.submit(run, lo)
