@@ -168,7 +168,7 @@ class Handle:
     autograd does without hooks, a tensor changed in place after it was saved.
     """
 
-    __slots__ = ("entry", "offset", "size", "stride", "dtype", "version", "refs", "unpacked", "release", "__weakref__")
+    __slots__ = ("entry", "offset", "size", "stride", "dtype", "version", "producer", "refs", "unpacked", "release", "__weakref__")
 
     def __init__(self, entry: Entry, t: torch.Tensor, root: torch.Tensor, release: Any) -> None:
         self.entry = entry
@@ -177,12 +177,24 @@ class Handle:
         self.stride = t.stride()
         self.dtype = t.dtype
         self.version = t._version
+        #: The node that made ``t`` (name, sequence number): a saved output's is the node saving it.
+        fn = t.grad_fn
+        self.producer = (fn.name(), fn._sequence_nr()) if fn is not None else None
         self.refs = (weakref.ref(t),) if root is t else (weakref.ref(t), weakref.ref(root))
         self.unpacked = False
         self.release = release
 
     def check_version(self) -> None:
-        """Raise autograd's error if the saved tensor was modified in place since it was saved."""
+        """Raise autograd's errors for a saved tensor changed since it was saved: modified in
+        place, or (saved as an input) detached in place."""
+        t = self.refs[0]()
+        if t is not None and self.producer is not None and t.grad_fn is None:
+            node = torch._C._current_autograd_node()
+            if node is not None and (node.name(), node._sequence_nr()) != self.producer:
+                raise RuntimeError(
+                    "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_(). "
+                    "This is not supported, please use out-of-place `.detach()` instead. (Checked by gds_offload.)"
+                )
         for ref in self.refs:
             t = ref()
             if t is not None and t._version != self.version:
