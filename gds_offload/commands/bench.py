@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="all", help="attach policy of the offload modes (default: all)")
     p.add_argument("--out", default="results/bench.json", help="JSON results file; '' for none (default: results/bench.json)")
     p.add_argument("--plot", default="results/bench.png", help="PNG of step time and memory per mode; '' for none (default: results/bench.png)")
+    p.add_argument("--title", default="", help="a title for the result file (shown on the performance page)")
+    p.add_argument("--about", default="", help="a sentence on what the run shows (shown on the performance page)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
 
 
@@ -352,8 +354,15 @@ def run(args: argparse.Namespace) -> int:
     if summary["all_losses_agree"] is False:
         check_in_process(summary, base, console)
     rows = combine_rounds(results)
+    from gds_offload.bench.report import current_commit
+
     doc = {
+        "kind": "bench",
+        "title": args.title or None,
+        "about": args.about or None,
         "command": getattr(args, "command_line", shlex.join(sys.argv)),
+        "commit": current_commit(),
+        "plot": args.plot or None,
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,

@@ -1,0 +1,199 @@
+"""``docs/performance.md`` from the JSON result files under ``docs/results/``.
+
+Each result file is what one benchmark command wrote with ``--out``: the command line,
+the commit it ran at, the machine (:mod:`gds_offload.bench.machine`) and the figures.
+This module only renders: every number on the page is read from a file, and every
+section names the command, commit and machine that produced it. Regenerate with
+``gds-offload report`` after adding or replacing a result file.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gds_offload.units import format_bytes
+
+__all__ = ["Section", "load_sections", "render_page", "current_commit"]
+
+METHOD = """\
+## Method
+
+* **One run, several modes.** Each figure compares modes measured in the same run of one
+  command, on one machine: a ratio across runs or machines would carry their noise.
+* **Own processes, interleaved rounds.** Every mode of `gds-offload bench` runs in its own
+  child process; with `--rounds N` the modes run N times, each round starting one mode
+  later, the ratio to `keep` is taken within a round and the median over rounds is shown.
+* **Paired steps.** With `--paired`, each offload process alternates offloaded steps with
+  steps under `off.paused()` (ABBA order) and reports the median of the pair ratios: the
+  cost of offloading with the machine's slow spells cancelled out.
+* **Memory.** Peak activation memory is the child's peak RSS (GPU: peak allocated bytes)
+  above its level after warm-up; it includes gradients and backward temporaries, which
+  every mode has. The offloader's own peaks (kept, held by writes in flight, read ahead)
+  come from `Offloader.stats()`.
+* **Exactness.** Every mode's losses and final weights are compared bit for bit with
+  `keep`'s; a mode that differs across processes is re-checked in one process.
+"""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One result file, ready to render."""
+
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def title(self) -> str:
+        return str(self.doc.get("title") or self.path.stem)
+
+
+def current_commit(cwd: Path | None = None) -> str | None:
+    """``git rev-parse --short HEAD`` (with ``+dirty`` for uncommitted changes), or None outside a checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def load_sections(results_dir: Path) -> list[Section]:
+    """Every ``*.json`` under ``results_dir``, in name order.
+
+    Raises:
+        ValueError: a file is not a JSON object with a ``command``; names the file.
+    """
+    sections = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc}); rerun the command that wrote it") from exc
+        if not isinstance(doc, dict) or "command" not in doc:
+            raise ValueError(f"{path}: a result file must be a JSON object with a 'command' (written by a --out option)")
+        sections.append(Section(path, doc))
+    return sections
+
+
+def _machine_line(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "machine not recorded"
+    parts = [
+        f"{m.get('cpu_usable') or m.get('cpu_cores')} CPUs ({m.get('cpu_model') or 'unknown CPU'})",
+        f"{format_bytes(m['ram_bytes'])} RAM" if m.get("ram_bytes") else None,
+        ", ".join(m["gpus"]) if m.get("gpus") else "no GPU",
+        f"spill drive {m.get('drive') or m.get('mount_source') or '?'} ({m.get('filesystem') or '?'}"
+        + (", O_DIRECT" if m.get("o_direct") else "")
+        + ")",
+        f"torch {m.get('torch')}",
+        f"KvikIO {m['kvikio']}" if m.get("kvikio") else None,
+        m.get("os"),
+    ]
+    return "; ".join(p for p in parts if p)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _bytes(n: float | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _bench_table(doc: dict[str, Any]) -> list[str]:
+    """The table of a ``gds-offload bench`` result: one row per mode (rounds pooled)."""
+    summary = doc["summary"]["modes"]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["results"]:
+        rows.setdefault(r["mode"], []).append(r)
+    paired = any("paired_ratio" in s for s in summary.values())
+    head = ["mode", "step (median)", "x keep", *(["x keep, paired"] if paired else []), "peak activation memory", "x keep",
+            "written / step", "offloader peak: kept / writing / read ahead", "I/O wait / step", "losses = keep"]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for mode, runs in rows.items():
+        s, r = summary[mode], runs[0]
+        if r["status"] != "ok":
+            out.append(f"| {mode} | {r['status']}: {r['error'][:80]} |" + " - |" * (len(head) - 2))
+            continue
+        steps = [x for run in runs for x in run["step_seconds"]]
+        median = sorted(steps)[len(steps) // 2] if steps else None
+        peaks = sorted(run["peak_activation_bytes"] for run in runs if run.get("peak_activation_bytes") is not None)
+        off = r.get("offload") or {}
+        n = max(1, off.get("steps") or len(r["step_seconds"]))
+        parts = "-" if not off else " / ".join(_bytes(off.get(k)) for k in ("peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"))
+        agree = s.get("losses_agree")
+        verdict = "-" if agree is None else "yes" if agree else ("yes, in one process" if s.get("exact_in_process") is True else "NO")
+        out.append("| " + " | ".join([
+            mode,
+            f"{median:.3f} s" if median else "-",
+            _ratio(s.get("step_ratio")),
+            *([_ratio(s.get("paired_ratio"))] if paired else []),
+            _bytes(peaks[len(peaks) // 2] if peaks else None),
+            _ratio(s.get("memory_ratio")),
+            _bytes(off["bytes_offloaded"] / n) if off else "-",
+            parts,
+            f"{off['io_wait_seconds'] / n:.3f} s" if off else "-",
+            verdict,
+        ]) + " |")
+    return out
+
+
+def _generic(doc: dict[str, Any]) -> list[str]:
+    table = doc.get("table")
+    if not isinstance(table, dict) or "columns" not in table:
+        return ["(no table in this result file; see the JSON)"]
+    cols = table["columns"]
+    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    out += ["| " + " | ".join(str(v) for v in row) + " |" for row in table["rows"]]
+    return out
+
+
+#: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"bench": _bench_table, "table": _generic}
+
+
+def _kind(doc: dict[str, Any]) -> str:
+    return str(doc.get("kind") or ("bench" if "results" in doc and "summary" in doc else "table"))
+
+
+def render_section(section: Section, page_dir: Path) -> list[str]:
+    doc = section.doc
+    lines = [f"## {section.title}", ""]
+    if doc.get("about"):
+        lines += [str(doc["about"]), ""]
+    lines += [
+        f"* command: `{doc['command']}`",
+        f"* commit: `{doc.get('commit') or 'not recorded'}`; started {doc.get('started', '?')}; wall {doc.get('wall_s', 0):.0f} s",
+        f"* machine: {_machine_line(doc.get('machine'))}",
+        f"* results: [`{section.path.name}`]({section.path.relative_to(page_dir).as_posix() if section.path.is_relative_to(page_dir) else section.path})",
+        "",
+    ]
+    lines += RENDERERS.get(_kind(doc), _generic)(doc)
+    plot = doc.get("plot")
+    if plot:
+        lines += ["", f"![{section.title}]({plot})"]
+    return lines + [""]
+
+
+def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str:
+    """The whole page: a header naming the command that regenerates it, the method, then one
+    section per result file."""
+    lines = [
+        "# Performance",
+        "",
+        f"Generated by `{command}` from the result files in `docs/results/`; do not edit by hand.",
+        "Each section names the command, commit and machine that produced its figures. To add",
+        "figures from another machine, run the command with `--out docs/results/NAME.json`, then",
+        "regenerate this page.",
+        "",
+        METHOD,
+    ]
+    for s in sections:
+        lines += render_section(s, page_dir)
+    return "\n".join(lines).rstrip() + "\n"
