@@ -42,6 +42,7 @@ __all__ = [
     "GroupEntry",
     "FileEntry",
     "Manifest",
+    "canonical_config",
     "config_fingerprint",
     "read_manifest",
 ]
@@ -234,15 +235,14 @@ def read_manifest(store_dir: str | os.PathLike[str]) -> Manifest:
     return Manifest.from_json(text, where=str(path))
 
 
-def config_fingerprint(config: Any) -> str | None:
-    """SHA-256 of a model config, the same whether it comes as a ``config.json`` path, a dict
-    or a ``transformers.PretrainedConfig``; ``None`` for ``None``.
+def canonical_config(config: Any) -> dict[str, Any] | None:
+    """A model config as the dict :func:`config_fingerprint` hashes; ``None`` for ``None``.
 
-    With transformers installed and a ``model_type`` given, the config is rebuilt by its
-    config class and reduced to its differences from that class's defaults
-    (``to_diff_dict``), so a config.json that spells out defaults and a config built in
-    code hash alike. Keys in :data:`VOLATILE_CONFIG_KEYS` and private keys (``_...``) are
-    dropped; the rest is hashed as canonical JSON (sorted keys).
+    ``config``: a ``config.json`` path, a dict or a ``transformers.PretrainedConfig``. With
+    transformers installed and a ``model_type`` given, the config is rebuilt by its config
+    class and reduced to its differences from that class's defaults (``to_diff_dict``), so
+    a config.json that spells out defaults and a config built in code come out alike. Keys
+    in :data:`VOLATILE_CONFIG_KEYS` and private keys (``_...``) are dropped.
     """
     if config is None:
         return None
@@ -251,7 +251,14 @@ def config_fingerprint(config: Any) -> str | None:
     elif not isinstance(config, dict):
         config = config.to_dict()
     d = _diff_dict(dict(config))
-    d = {k: v for k, v in d.items() if k not in VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    return {k: v for k, v in d.items() if k not in VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+
+
+def config_fingerprint(config: Any) -> str | None:
+    """SHA-256 of :func:`canonical_config` as canonical JSON (sorted keys); ``None`` for ``None``."""
+    d = canonical_config(config)
+    if d is None:
+        return None
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
