@@ -76,7 +76,7 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _model_tensors(model: nn.Module) -> dict[int, list[Target]]:
-    """Every parameter and persistent buffer of ``model``, grouped by tensor identity (ties)."""
+    """Every parameter and persistent buffer of ``model``, grouped by tensor identity and declared ties."""
     groups: dict[int, list[Target]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
@@ -86,6 +86,16 @@ def _model_tensors(model: nn.Module) -> dict[int, list[Target]]:
         for leaf, b in mod._buffers.items():
             if b is not None and leaf not in mod._non_persistent_buffers_set:
                 groups.setdefault(id(b), []).append(Target(prefix + leaf, mod, leaf, False, b))
+    # Ties a Hugging Face model declares but the skeleton lost (accelerate.init_empty_weights
+    # gives each name its own meta parameter): {"lm_head.weight": "model.embed_tokens.weight"}.
+    declared = getattr(model, "all_tied_weights_keys", None) or {}
+    key_of = {t.name: k for k, ts in groups.items() for t in ts}
+    for target, source in declared.items() if isinstance(declared, dict) else ():
+        a, b = key_of.get(target), key_of.get(source)
+        if a is not None and b is not None and a != b:
+            for t in groups[a]:
+                key_of[t.name] = b
+            groups[b].extend(groups.pop(a))
     return groups
 
 
