@@ -287,3 +287,15 @@ def test_gpt2_layers_and_bad_arguments(base: Path, ids: torch.Tensor) -> None:
     for kw, match in (({"tier": "ram"}, "tier='ram'"), ({"slots": 0}, "slots=0"), ({"resident_layers": 9}, "resident_layers=9"), ({"device": "meta"}, "device=meta")):
         with pytest.raises(ConfigError, match=match):
             load_streamed(_skeleton(base / "store-gpt2"), base / "store-gpt2", **kw)
+
+
+def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    dirs = [base / "stripe-a", base / "stripe-b"]
+    m = convert(ckpt, dirs)
+    assert [g.file for g in m.layers] == [0, 1, 0, 1] and m.resident.file == 0 and [f.dir for f in m.files] == [0, 1]
+    assert (dirs[1] / "weights.bin").stat().st_size == m.files[1].nbytes and not (dirs[1] / "manifest.json").exists()
+    assert verify_store(dirs).groups == LAYERS + 1
+    with pytest.raises(StoreFormatError, match="striped over 2 directories but 1 were given"):
+        load_streamed(_skeleton(dirs[0]), dirs[0])
+    with torch.no_grad(), load_streamed(_skeleton(dirs[0]), dirs) as h:
+        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
