@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "bench": "gds_offload.commands.bench",
     "rok": "gds_offload.commands.rok",
     "convert": "gds_offload.commands.convert",
+    "bench-weights": "gds_offload.commands.bench_weights",
 }
 
 
