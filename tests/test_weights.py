@@ -159,6 +159,19 @@ def test_too_small_drive_is_refused_before_writing(monkeypatch: pytest.MonkeyPat
     assert list(out.iterdir()) == []
 
 
+def test_fallocate_failure_is_refused_before_writing(monkeypatch: pytest.MonkeyPatch, base: Path, ckpt: Path) -> None:
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(convert_mod.os, "posix_fallocate", full)
+    out = base / "store-fallocate"
+    with pytest.raises(StoreSpaceError, match=r"reserving \d+ bytes .* failed \(No space left on device; \d+ bytes free\)"):
+        convert(ckpt, out)
+    assert list(out.iterdir()) == []
+
+
 def test_check_names_the_corrupted_layer(base: Path, store: Path) -> None:
     bad = base / "store-corrupt"
     shutil.copytree(store, bad)

@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence (default 16)")
+    p.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved; medians are shown (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="measurements per batch size inside each child (default 2)")
     p.add_argument("--slots", type=int, default=2, help="ring buffers of the drive mode (default 2)")
     p.add_argument("--threads", type=int, default=4, help="engine threads of the streamed modes (default 4)")
     p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
@@ -51,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
         batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else defaults[0]
         workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
         spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=args.prompt_len or defaults[1],
-                         new_tokens=args.new_tokens or defaults[2], slots=args.slots, num_threads=args.threads)  # fmt: skip
+                         new_tokens=args.new_tokens or defaults[2], slots=args.slots, num_threads=args.threads, repeats=args.repeats)  # fmt: skip
         limit = parse_bytes(args.memory_limit, name="--memory-limit") if args.memory_limit else None
-        report = run_bench(spec, modes, model=model, memory_limit=limit, checkpoint=args.checkpoint)
+        if args.rounds < 1 or args.repeats < 1:
+            raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats}: both must be at least 1")
+        report = run_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, checkpoint=args.checkpoint)
     except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}")
         return 2
@@ -68,12 +72,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         render(report)
-    failed = [r for r in report["results"] if r["status"] != "ok" or r["matches_resident"] is False]
+    failed = [r for r in report["summary"] if r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False]
     return 1 if failed else 0
 
 
 def render(report: dict) -> None:
-    """Print the results as a rich table."""
+    """Print the per-mode medians as a rich table (peak mem: the cgroup's peak, page cache included,
+    under --memory-limit; else the child's peak RSS)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -82,17 +87,17 @@ def render(report: dict) -> None:
     m = report["model"]
     t = Table(title=f"bench-weights: {m['layers']} layers, hidden {m['hidden']}, {m['dtype']}, "
                     f"{format_bytes(m['layers_nbytes'])} of layers + {format_bytes(m['resident_nbytes'])} resident")  # fmt: skip
-    for col in ("mode", "B", "prefill tok/s", "decode tok/s", "drive B/tok", "store B/tok", "peak RSS", "=res"):
+    for col in ("mode", "B", "prefill tok/s", "decode tok/s", "drive B/tok", "store B/tok", "peak mem", "=res"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
 
     def num(v: float | None, fmt: str = "{:.1f}") -> str:
         return "-" if v is None else fmt.format(v)
 
-    for r in report["results"]:
-        if r["status"] != "ok":
-            t.add_row(r["mode"], str(r["batch"]), f"[red]{r['error'][:60]}[/]", "", "", "", "", "")
+    for r in report["summary"]:
+        if not r["rounds_ok"]:
+            t.add_row(r["mode"], str(r["batch"]), f"[red]{(r['errors'] or ['?'])[0][:60]}[/]", "", "", "", "", "")
             continue
         t.add_row(r["mode"], str(r["batch"]), num(r["prefill_tokens_per_s"]), num(r["decode_tokens_per_s"]),
                   format_bytes(r["drive_bytes_per_token"]), "-" if r["store_bytes_per_token"] is None else format_bytes(r["store_bytes_per_token"]),
-                  format_bytes(r["peak_rss_bytes"]), {True: "yes", False: "[red]no[/]", None: "-"}[r["matches_resident"]])  # fmt: skip
+                  format_bytes(r["cgroup_peak_bytes"] or r["peak_rss_bytes"]), {True: "yes", False: "[red]no[/]", None: "-"}[r["matches_resident"]])  # fmt: skip
     Console().print(t)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "TINY", "DEFAULT_MODEL", "run_bench", "run_child"]
+__all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "TINY", "DEFAULT_MODEL", "run_bench", "run_child", "summarize"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
 _PREFIX = "@@gds_offload.bench-weights "
@@ -84,6 +85,8 @@ class BenchSpec:
     new_tokens: int = 16
     slots: int = 2
     num_threads: int = 4
+    #: Measurements per batch size in the child (medians are reported): the load is paid once.
+    repeats: int = 2
     seed: int = 0
 
 
@@ -93,6 +96,7 @@ class ModeResult:
 
     mode: str
     batch: int
+    round: int = 0
     status: str = "ok"
     error: str | None = None
     load_s: float | None = None
@@ -149,26 +153,29 @@ def _load(spec: BenchSpec) -> tuple[Any, Any]:
     raise ValueError(f"mode {spec.mode!r} unknown; expected one of {', '.join(MODES)}")
 
 
-def _generate(model: Any, ids: Any, new_tokens: int) -> tuple[float, float, list[list[int]], str, Any]:
-    """Prefill then greedy decode: ``(prefill_s, decode_s, tokens, logits hash, last logits)``."""
+def _generate(model: Any, ids: Any, new_tokens: int) -> tuple[float, float, list[list[int]], str]:
+    """Prefill then greedy decode with the KV cache: ``(prefill_s, decode_s, tokens, prefill logits hash)``."""
+    import inspect
+
     import torch
     import xxhash
 
+    # transformers 5 renamed past_key_values to cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     t0 = time.perf_counter()
     out = model(input_ids=ids, use_cache=True)
     t1 = time.perf_counter()
     h = xxhash.xxh3_64_hexdigest(out.logits[:, -1].float().contiguous().numpy().tobytes())
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [tok]
-    past = out.past_key_values
     t2 = time.perf_counter()
     for _ in range(new_tokens - 1):
-        out = model(input_ids=tok, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        past = getattr(out, name, None) if name == "cache" else out.past_key_values
+        out = model(input_ids=tok, use_cache=True, **{name: past})
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(tok)
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, torch.cat(tokens, 1).tolist(), h, out
+    return t1 - t0, t3 - t2, torch.cat(tokens, 1).tolist(), h
 
 
 def run_child(spec: BenchSpec) -> list[ModeResult]:
@@ -187,16 +194,21 @@ def run_child(spec: BenchSpec) -> list[ModeResult]:
         for batch in spec.batch_sizes:
             ids = torch.randint(0, vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed + batch))
             io0, st0 = _proc_read_bytes(), handle.stats() if handle else None
-            prefill_s, decode_s, tokens, h, _ = _generate(model, ids, spec.new_tokens)
+            runs = [_generate(model, ids, spec.new_tokens) for _ in range(spec.repeats)]
             io1, st1 = _proc_read_bytes(), handle.stats() if handle else None
+            prefill_s = statistics.median(r[0] for r in runs)
+            decode_s = statistics.median(r[1] for r in runs)
             decoded = batch * (spec.new_tokens - 1)
             r = ModeResult(spec.mode, batch, load_s=load_s, prefill_s=prefill_s, prefill_tokens_per_s=batch * spec.prompt_len / prefill_s,
-                           decode_s=decode_s, decode_tokens_per_s=decoded / decode_s if decoded else None, tokens=tokens, logits_xxh3=h)  # fmt: skip
+                           decode_s=decode_s, decode_tokens_per_s=decoded / decode_s if decoded else None, tokens=runs[0][2], logits_xxh3=runs[0][3])  # fmt: skip
+            if any(x[2] != runs[0][2] or x[3] != runs[0][3] for x in runs):
+                r.status, r.error = "error", "outputs differ between repeats in one process"
             # Per token of the whole run (prefill included), so modes that read per forward compare.
-            r.drive_bytes_per_token = (io1 - io0) / (batch * (spec.prompt_len + spec.new_tokens - 1))
+            tokens = spec.repeats * batch * (spec.prompt_len + spec.new_tokens - 1)
+            r.drive_bytes_per_token = (io1 - io0) / tokens
             if st0 is not None and st1 is not None:
-                r.store_bytes_per_token = (st1.bytes_read - st0.bytes_read) / (batch * (spec.prompt_len + spec.new_tokens - 1))
-                r.stall_s = st1.stall_s - st0.stall_s
+                r.store_bytes_per_token = (st1.bytes_read - st0.bytes_read) / tokens
+                r.stall_s = (st1.stall_s - st0.stall_s) / spec.repeats
             r.peak_rss_bytes = _peak_rss()
             results.append(r)
     if handle is not None:
@@ -284,16 +296,27 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
 
 
 def run_bench(
-    base: BenchSpec, modes: list[str], *, model: BenchModel, memory_limit: int | None = None, checkpoint: Path | None = None
+    base: BenchSpec,
+    modes: list[str],
+    *,
+    model: BenchModel,
+    rounds: int = 1,
+    memory_limit: int | None = None,
+    checkpoint: Path | None = None,
 ) -> dict[str, Any]:
-    """Prepare the checkpoint and store, run every mode, compare outputs with ``resident``'s; a JSON-ready dict."""
+    """Prepare the checkpoint and store, run every mode ``rounds`` times (round ``k`` starts ``k``
+    modes later, so a slow spell of a shared machine does not always hit the same mode), compare
+    outputs with ``resident``'s; a JSON-ready dict with every row and the per-mode medians."""
     from gds_offload.weights.manifest import read_manifest
 
     ckpt, store = prepare(model, Path(base.workdir), checkpoint)
     m = read_manifest(store)
     rows: list[ModeResult] = []
-    for mode in modes:
-        rows += run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=memory_limit)
+    for k in range(rounds):
+        for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
+            for r in run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=memory_limit):
+                r.round = k
+                rows.append(r)
     ref = {r.batch: r for r in rows if r.mode == "resident" and r.status == "ok"}
     for r in rows:
         if r.status == "ok" and r.batch in ref:
@@ -302,9 +325,27 @@ def run_bench(
     return {
         "model": asdict(model) | {"checkpoint": str(ckpt), "store": str(store), "layers_nbytes": sum(layer_bytes),
                                   "resident_nbytes": m.resident.nbytes if m.resident else 0, "largest_layer_nbytes": max(layer_bytes, default=0)},  # fmt: skip
-        "spec": {k: v for k, v in asdict(base).items() if k not in ("mode", "checkpoint", "store")} | {"memory_limit_bytes": memory_limit},
+        "spec": {k: v for k, v in asdict(base).items() if k not in ("mode", "checkpoint", "store")} | {"memory_limit_bytes": memory_limit, "rounds": rounds},
+        "summary": summarize(rows),
         "results": [asdict(r) for r in rows],
     }
+
+
+def summarize(rows: list[ModeResult]) -> list[dict[str, Any]]:
+    """Per (mode, batch): medians over rounds of the figures; ``matches_resident`` only if every round matched."""
+    keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "drive_bytes_per_token", "store_bytes_per_token", "stall_s", "peak_rss_bytes", "cgroup_peak_bytes")
+    out = []
+    for mode, batch in dict.fromkeys((r.mode, r.batch) for r in rows):
+        group = [r for r in rows if (r.mode, r.batch) == (mode, batch)]
+        ok = [r for r in group if r.status == "ok"]
+        row: dict[str, Any] = {"mode": mode, "batch": batch, "rounds_ok": len(ok), "rounds": len(group), "errors": [r.error for r in group if r.error]}
+        for k in keys:
+            vals = [getattr(r, k) for r in ok if getattr(r, k) is not None]
+            row[k] = statistics.median(vals) if vals else None
+        flags = [r.matches_resident for r in ok]
+        row["matches_resident"] = None if not flags or None in flags else all(flags)
+        out.append(row)
+    return out
 
 
 def _child_main(argv: list[str]) -> int:
