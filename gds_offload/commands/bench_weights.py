@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=4, help="engine threads of the streamed modes (default 4)")
     p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default <tmp>/gds_offload-bench-weights)")
-    p.add_argument("--memory-limit", default=None, help="cap each child's memory (page cache included), e.g. 1GiB; needs root and cgroup v1")
+    p.add_argument("--memory-limit", default=None, help="cap each child's memory (page cache included), e.g. 1GiB, except resident's (the reference outputs); needs root and cgroup v1")
     p.add_argument("--json", metavar="OUT", default=None, help="write the report as JSON to OUT ('-': print it instead of the table)")
 
 
