@@ -53,7 +53,6 @@ class Binding:
         """Put ``tensor`` (as one shared ``nn.Parameter`` for parameters) in every place of ``name``."""
         for t in self.targets[name]:
             (t.module._parameters if t.is_param else t.module._buffers)[t.leaf] = tensor
-        return None
 
     def as_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as it should be placed for ``name``: an ``nn.Parameter`` if ``name`` is a parameter."""

@@ -44,7 +44,7 @@ class CheckpointTensor:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return n * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_
 __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
 
 Tier = Literal["drive", "host"]
-#: Engine threads: 4 kept a 150 MB layer's read at the drive's rate on the 2-core test VM.
+#: Engine threads for the reads (a layer is split into 8 MiB chunks over them). Not tuned: half
+#: the posix engine's default, since these reads compete with the model for a small VM's cores.
 DEFAULT_THREADS = 4
 
 
