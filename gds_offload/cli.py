@@ -21,6 +21,8 @@ COMMANDS: dict[str, str] = {
     "demo": "gds_offload.commands.demo",
     "bench": "gds_offload.commands.bench",
     "rok": "gds_offload.commands.rok",
+    "convert": "gds_offload.commands.convert",
+    "bench-weights": "gds_offload.commands.bench_weights",
     "report": "gds_offload.commands.report",
 }
 

@@ -1,0 +1,68 @@
+"""``gds-offload convert``: a safetensors checkpoint -> a weight store laid out for GPUDirect Storage.
+
+Examples::
+
+    gds-offload convert ./llama-ckpt /mnt/nvme0/llama-store           # convert
+    gds-offload convert ./llama-ckpt /mnt/nvme0/llama-store --check   # convert, then re-read every checksum
+    gds-offload convert --check /mnt/nvme0/llama-store                # check an existing store only
+    gds-offload convert ./ckpt /mnt/nvme0/s /mnt/nvme1/s              # stripe layers over two drives
+
+Exit status: 0 done (and checked), 1 a checksum mismatch (the layer is named), 2 a usage
+or input error (no checkpoint, no room: nothing was written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "convert a safetensors checkpoint into an aligned weight store (--check: verify every layer's checksum)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="CHECKPOINT OUT [OUT2 ...] (OUT2...: stripe layers over more drives); with --check and one PATH: the store to check")  # fmt: skip
+    p.add_argument("--check", action="store_true", help="re-read the store and check every group's xxh3-64 checksum")
+    p.add_argument("--layer-prefix", default=None, help="module path of the repeated blocks, e.g. model.layers (default: found from the names)")
+    p.add_argument("--tensor-align", type=int, default=64, help="alignment of tensors inside a layer, in bytes (divides 4096; default 64)")
+    p.add_argument("--force", action="store_true", help="replace a store already in OUT")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gds_offload.errors import ConfigError
+    from gds_offload.units import format_bytes
+    from gds_offload.weights import StoreCorruptError, StoreSpaceError, convert, verify_store
+
+    result: dict[str, object] = {}
+    try:
+        if len(args.paths) == 1:
+            if not args.check:
+                print("gds-offload convert: give CHECKPOINT OUT (or --check STORE to check a store)", file=sys.stderr)
+                return 2
+            outs = args.paths
+        else:
+            ckpt, outs = args.paths[0], args.paths[1:]
+            m = convert(ckpt, [str(o) for o in outs] if len(outs) > 1 else outs[0], layer_prefix=args.layer_prefix,
+                        tensor_align=args.tensor_align, overwrite=args.force)  # fmt: skip
+            result["converted"] = {"store": [str(o) for o in outs], "layers": len(m.layers), "layer_prefix": m.layer_prefix,
+                                   "tensors": len(m.tensors), "nbytes": m.total_nbytes(), "config_sha256": m.config_sha256}  # fmt: skip
+            if not args.json:
+                print(f"converted {ckpt} -> {', '.join(map(str, outs))}: {len(m.tensors)} tensors, {len(m.layers)} layers "
+                      f"({m.layer_prefix}.*), {format_bytes(m.total_nbytes())}")  # fmt: skip
+        if args.check:
+            c = verify_store([str(o) for o in outs] if len(outs) > 1 else outs[0])
+            result["check"] = {"ok": True, "groups": c.groups, "nbytes": c.nbytes, "seconds": round(c.seconds, 3)}
+            if not args.json:
+                print(f"check: all {c.groups} groups match their checksums ({format_bytes(c.nbytes)} in {c.seconds:.2f} s)")
+    except StoreCorruptError as exc:
+        result["check"] = {"ok": False, "error": str(exc)}
+        print(json.dumps(result, indent=2) if args.json else f"check FAILED: {exc}", file=sys.stdout if args.json else sys.stderr)
+        return 1
+    except (ConfigError, StoreSpaceError) as exc:
+        print(f"gds-offload convert: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,33 @@
+"""Weight offloading (the Balance Beam half): a model's weights in an aligned store on NVMe,
+streamed layer by layer into a ring of preallocated buffers while the previous layer computes.
+
+* :func:`convert` / :func:`verify_store`: a safetensors checkpoint -> a store (``gds-offload convert``).
+* :func:`load_streamed` -> :class:`StreamedModel`: a meta-device skeleton whose layers stream from a store.
+* :func:`read_manifest`, :class:`Manifest`: where every tensor lies, and its checksums.
+"""
+from __future__ import annotations
+
+from gds_offload.weights.convert import StoreCheck, convert, verify_store
+from gds_offload.weights.errors import ConfigMismatchError, StoreCorruptError, StoreFormatError, StoreSpaceError, WeightsMismatchError
+from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
+from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+
+__all__ = [
+    "convert",
+    "verify_store",
+    "load_streamed",
+    "StreamedModel",
+    "StreamStats",
+    "read_manifest",
+    "config_fingerprint",
+    "Manifest",
+    "TensorEntry",
+    "GroupEntry",
+    "FileEntry",
+    "StoreCheck",
+    "StoreFormatError",
+    "StoreSpaceError",
+    "StoreCorruptError",
+    "WeightsMismatchError",
+    "ConfigMismatchError",
+]

@@ -1,0 +1,194 @@
+"""Matching a model skeleton's tensors to a store's, and putting real tensors in their place.
+
+:func:`bind` compares every parameter and persistent buffer of the model (on the meta
+device, or anywhere) with the manifest, tied weights included: names that hold the same
+tensor object (``lm_head.weight`` and ``model.embed_tokens.weight`` under
+``tie_word_embeddings``) form one *alias group*, satisfied by any one of its names in the
+store, and get one shared tensor, so the tie survives. Any difference is reported at
+once, all of it: :class:`~gds_offload.weights.errors.WeightsMismatchError`.
+
+:meth:`Binding.place` swaps a tensor into every place its alias group occupies
+(parameters as ``nn.Parameter(requires_grad=False)``, buffers as they are), without
+``__setattr__`` or copies, so it is cheap enough for a forward pre-hook.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gds_offload.errors import ConfigError
+from gds_offload.weights.errors import WeightsMismatchError
+from gds_offload.weights.manifest import RESIDENT, Manifest, TensorEntry
+
+__all__ = ["Target", "Binding", "bind", "rebuild_meta_buffers", "view_of"]
+
+_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Target:
+    """One place a tensor lives in the model: ``module._parameters[leaf]`` or ``module._buffers[leaf]``."""
+
+    name: str
+    module: nn.Module
+    leaf: str
+    is_param: bool
+    #: What was there before binding (a meta tensor, usually): put back by :meth:`Binding.restore`.
+    placeholder: torch.Tensor
+
+
+@dataclass
+class Binding:
+    """For each store tensor the model uses: its entry and every place it goes."""
+
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    targets: dict[str, list[Target]] = field(default_factory=dict)
+    #: group name -> the store names bound in it, in manifest order.
+    by_group: dict[str, list[str]] = field(default_factory=dict)
+
+    def place(self, name: str, tensor: torch.Tensor | nn.Parameter) -> None:
+        """Put ``tensor`` (as one shared ``nn.Parameter`` for parameters) in every place of ``name``."""
+        for t in self.targets[name]:
+            (t.module._parameters if t.is_param else t.module._buffers)[t.leaf] = tensor
+
+    def as_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as it should be placed for ``name``: an ``nn.Parameter`` if ``name`` is a parameter."""
+        return nn.Parameter(tensor, requires_grad=False) if self.targets[name][0].is_param else tensor
+
+    def restore(self, name: str) -> None:
+        """Put the placeholders back in every place of ``name``."""
+        for t in self.targets[name]:
+            (t.module._parameters if t.is_param else t.module._buffers)[t.leaf] = t.placeholder
+
+
+def view_of(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
+    """The tensor ``entry`` as a view of ``buf`` (a uint8 tensor holding its group from file offset ``base``)."""
+    lo = entry.offset - base
+    return buf[lo : lo + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _model_tensors(model: nn.Module) -> dict[int, list[Target]]:
+    """Every parameter and persistent buffer of ``model``, grouped by tensor identity and declared ties."""
+    groups: dict[int, list[Target]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for leaf, p in mod._parameters.items():
+            if p is not None:
+                groups.setdefault(id(p), []).append(Target(prefix + leaf, mod, leaf, True, p))
+        for leaf, b in mod._buffers.items():
+            if b is not None and leaf not in mod._non_persistent_buffers_set:
+                groups.setdefault(id(b), []).append(Target(prefix + leaf, mod, leaf, False, b))
+    # Ties a Hugging Face model declares but the skeleton lost (accelerate.init_empty_weights
+    # gives each name its own meta parameter): {"lm_head.weight": "model.embed_tokens.weight"}.
+    declared = getattr(model, "all_tied_weights_keys", None) or {}
+    key_of = {t.name: k for k, ts in groups.items() for t in ts}
+    for target, source in declared.items() if isinstance(declared, dict) else ():
+        a, b = key_of.get(target), key_of.get(source)
+        if a is not None and b is not None and a != b:
+            for t in groups[a]:
+                key_of[t.name] = b
+            groups[b].extend(groups.pop(a))
+    return groups
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = "; ".join(items[:_SHOWN]) + (f"; ... and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+    return f"\n  {title} ({len(items)}): {shown}"
+
+
+def bind(model: nn.Module, manifest: Manifest, *, where: str) -> Binding:
+    """Match ``model`` to ``manifest``.
+
+    Raises:
+        WeightsMismatchError: some model tensors are not in the store (missing), some store
+            tensors are not in the model (extra), or shapes or dtypes differ; lists them all.
+        ConfigError: a tied group spans a layer and something outside it (cannot be streamed).
+    """
+    entries = {t.name: t for t in manifest.tensors}
+    used: set[str] = set()
+    missing: list[str] = []
+    misshaped: list[str] = []
+    binding = Binding()
+    for targets in _model_tensors(model).values():
+        names = [t.name for t in targets]
+        stored = [n for n in names if n in entries]
+        used.update(stored)
+        if not stored:
+            missing.append(names[0] + (f" (tied with {', '.join(names[1:])})" if len(names) > 1 else ""))
+            continue
+        name, model_t = stored[0], targets[0].placeholder
+        e = entries[name]
+        if tuple(model_t.shape) != e.shape or _dtype_name(model_t) != e.dtype:
+            misshaped.append(f"{name}: model {_dtype_name(model_t)} {tuple(model_t.shape)}, store {e.dtype} {e.shape}")
+            continue
+        if e.group != RESIDENT and any(not n.startswith(e.group + ".") for n in names):
+            raise ConfigError(
+                f"{', '.join(names)} are one tied tensor, stored with layer {e.group} but used outside it; "
+                f"a streamed layer cannot share weights with other modules. Keep that layer resident (resident_layers=)"
+            )
+        binding.entries[name] = e
+        binding.targets[name] = targets
+    extra = sorted(set(entries) - used)
+    if missing or extra or misshaped:
+        msg = f"the model does not match the weight store at {where}:"
+        if missing:
+            msg += _listing("in the model but not in the store", missing)
+        if extra:
+            msg += _listing("in the store but not in the model", extra)
+        if misshaped:
+            msg += _listing("different shape or dtype", misshaped)
+        raise WeightsMismatchError(
+            msg + f"\nBuild the model from the config the store was converted from ({where}/config.json), "
+            f"with the checkpoint's dtype, or convert this model's own checkpoint"
+        )
+    for t in manifest.tensors:
+        if t.name in binding.entries:
+            binding.by_group.setdefault(t.group, []).append(t.name)
+    return binding
+
+
+def rebuild_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
+    """Give non-persistent buffers still on the meta device (``inv_freq`` of rotary embeddings,
+    when the skeleton was built under ``torch.device("meta")``) real values; returns their names.
+
+    They are not in any checkpoint. Each is allocated on ``device`` (floats filled with NaN)
+    and its module re-initialised with the model's ``_init_weights`` (Hugging Face models
+    compute such buffers there); modules that also own parameters are never re-initialised.
+
+    Raises:
+        ConfigError: a buffer could not be rebuilt (still NaN, not a float, or no ``_init_weights``);
+            build the skeleton with ``accelerate.init_empty_weights()``, which keeps buffers real.
+    """
+    found: list[tuple[str, nn.Module, str]] = []
+    for mod_name, mod in model.named_modules():
+        for leaf, b in mod._buffers.items():
+            if b is not None and b.is_meta and leaf in mod._non_persistent_buffers_set:
+                found.append((f"{mod_name}.{leaf}" if mod_name else leaf, mod, leaf))
+    if not found:
+        return []
+    init = getattr(model, "_init_weights", None)
+    owners = {id(m): m for _, m, _ in found}
+    failed = []
+    for name, mod, leaf in found:
+        b = mod._buffers[leaf]
+        fill = math.nan if b.dtype.is_floating_point else 0
+        mod._buffers[leaf] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
+        if not b.dtype.is_floating_point or init is None or next(mod.parameters(recurse=False), None) is not None:
+            failed.append(name)
+    if not failed:
+        for mod in owners.values():
+            init(mod)  # type: ignore[misc]
+        failed = [n for n, m, leaf in found if torch.isnan(m._buffers[leaf]).any()]
+    if failed:
+        raise ConfigError(
+            f"buffers {', '.join(failed)} are on the meta device and not in the store, and could not be rebuilt; "
+            f"build the model skeleton with accelerate.init_empty_weights() (it keeps buffers real) instead of torch.device('meta')"
+        )
+    return [n for n, _, _ in found]

@@ -1,0 +1,101 @@
+"""A memory cap for one benchmark child: a cgroup v1 memory group of its own.
+
+:class:`MemoryCap` creates ``/sys/fs/cgroup/memory/gds_offload-bench-<parent pid>-<n>``,
+sets ``memory.limit_in_bytes``, and moves one process (the child, by its pid; never the
+caller) into it with :meth:`MemoryCap.add`. In cgroup v1 the page cache a process fills
+is charged to its group, so under the cap a mode that reads through the page cache
+(Accelerate's disk offload) really reads the drive once the cap is reached. After the
+child exited, :meth:`MemoryCap.close` reads the peak and removes the group.
+
+Needs root (or a delegated memory hierarchy) and cgroup v1; :func:`cap_available` says
+why not otherwise.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gds_offload.errors import ConfigError
+
+__all__ = ["MemoryCap", "CapReport", "cap_available", "CGROUP_V1_MEMORY"]
+
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+_counter = itertools.count()
+
+
+def cap_available(root: Path = CGROUP_V1_MEMORY) -> tuple[bool, str]:
+    """``(usable, reason)``: whether a memory group can be made under ``root``."""
+    if not (root / "cgroup.procs").is_file():
+        return False, f"no cgroup v1 memory hierarchy at {root}"
+    if not os.access(root, os.W_OK):
+        return False, f"{root} is not writable (needs root)"
+    return True, f"cgroup v1 at {root}"
+
+
+@dataclass(frozen=True)
+class CapReport:
+    """What the group saw: its limit, peak usage (process memory plus page cache) and limit hits."""
+
+    limit_bytes: int
+    peak_bytes: int | None
+    failcnt: int | None
+
+
+class MemoryCap:
+    """One memory group with a limit. Use: ``cap = MemoryCap(n)``, start the child, ``cap.add(child.pid)``,
+    let it run, wait for it, ``cap.close()``.
+
+    Raises:
+        ConfigError: no cgroup v1 memory hierarchy here, or it is not writable.
+    """
+
+    def __init__(self, limit_bytes: int, *, root: Path = CGROUP_V1_MEMORY) -> None:
+        ok, why = cap_available(root)
+        if not ok:
+            raise ConfigError(f"cannot cap memory: {why}; run without --memory-limit, or as root on a cgroup v1 host")
+        if limit_bytes < 64 << 20:
+            raise ConfigError(f"memory limit {limit_bytes} bytes is below 64 MiB; a Python child cannot start under it")
+        self.limit_bytes = limit_bytes
+        self.path = root / f"gds_offload-bench-{os.getpid()}-{next(_counter)}"
+        self.path.mkdir()
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            swap = self.path / "memory.memsw.limit_in_bytes"
+            if swap.exists():  # no swapping out to get under the cap
+                swap.write_text(str(limit_bytes))
+        except OSError:
+            self.path.rmdir()
+            raise
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` (the child's: never the caller's own) into the group."""
+        if pid == os.getpid():
+            raise ConfigError("MemoryCap.add: refusing to cap the calling process itself; pass the child's pid")
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def report(self) -> CapReport:
+        return CapReport(self.limit_bytes, _read_int(self.path / "memory.max_usage_in_bytes"), _read_int(self.path / "memory.failcnt"))
+
+    def close(self) -> CapReport:
+        """The group's report; then remove it (its processes must have exited). Idempotent enough:
+        a group already gone reports ``None`` figures."""
+        rep = self.report()
+        for _ in range(50):  # the kernel may take a moment to drop an exited task from the group
+            try:
+                self.path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        return rep
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,293 @@
+"""``convert``: a safetensors checkpoint -> an aligned weight store; ``verify_store``: check one.
+
+The converter reads the checkpoint tensor by tensor (each shard is memory-mapped by
+safetensors, and only the tensor being copied is materialised), packs each group (the
+resident tensors, then each layer) into a page-aligned buffer, hashes it (xxh3-64) and
+writes it with ``O_DIRECT`` through :class:`~gds_offload.io.posix.PosixEngine`, double
+buffered (group ``g+1`` is packed while ``g`` is written). Peak memory: two buffers of
+the largest group, plus one tensor.
+
+Order of work, so a failure leaves nothing half-done that looks complete:
+
+1. read the headers, plan the layout (:func:`~gds_offload.weights.checkpoint.plan_layout`);
+2. check free space on every output filesystem (:func:`free_bytes`), then reserve the files
+   whole with ``posix_fallocate``: a drive too small fails here, before any byte is written;
+3. write the groups into ``weights.bin.partial``, fsync, rename to ``weights.bin``;
+4. write ``manifest.json`` last (its presence marks a complete store), and copy
+   ``config.json`` / ``generation_config.json`` next to it.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gds_offload.errors import ConfigError
+from gds_offload.integrity import checksum
+from gds_offload.io.base import IOFuture
+from gds_offload.io.posix import PosixEngine
+from gds_offload.store import Slot, SpillFile
+from gds_offload.units import format_bytes
+from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
+from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
+from gds_offload.weights.manifest import MANIFEST_NAME, FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+
+__all__ = ["convert", "verify_store", "StoreCheck", "free_bytes", "DATA_NAME"]
+
+DATA_NAME = "weights.bin"
+#: Room kept free beyond the data files (manifest, configs).
+_SLACK_BYTES = 1 << 20
+_COPIED = ("config.json", "generation_config.json")
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged process may still allocate on ``path``'s filesystem (the probe tests replace)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass(frozen=True)
+class StoreCheck:
+    """What :func:`verify_store` read: every group's checksum matched."""
+
+    groups: int
+    nbytes: int
+    seconds: float
+
+
+def convert(
+    checkpoint_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    *,
+    config: object = None,
+    layer_prefix: str | None = None,
+    tensor_align: int = 64,
+    overwrite: bool = False,
+) -> Manifest:
+    """Convert a safetensors checkpoint into a weight store laid out for GPUDirect Storage.
+
+    Args:
+        checkpoint_dir: holds ``model.safetensors``, or ``model.safetensors.index.json`` and its shards.
+        out: the store's directory (created if missing), or a list of directories: layer ``i``
+            goes to directory ``i % n``, the resident group and the manifest to the first.
+        config: the model config to fingerprint (a ``PretrainedConfig``, dict or path);
+            default: the checkpoint's ``config.json`` (none: the store records no config hash).
+        layer_prefix: the module path of the repeated blocks (default: found from the names).
+        tensor_align: alignment of tensors inside a group (divides 4096).
+        overwrite: replace a store already in ``out``.
+
+    Returns:
+        The manifest written to ``<out>/manifest.json``.
+
+    Raises:
+        ConfigError: no checkpoint, a bad argument, or ``out`` holds a store and not ``overwrite``.
+        StoreSpaceError: a filesystem lacks room (names bytes needed and free); nothing was written.
+    """
+    ckpt = find_checkpoint(checkpoint_dir)
+    dirs = resolve_dirs(out)
+    if len({d.resolve() for d in dirs}) != len(dirs):
+        raise ConfigError(f"out lists a directory twice ({', '.join(map(str, dirs))}); give each drive's directory once")
+    prefix, where = group_tensors([t.name for t in ckpt.tensors], layer_prefix)
+    groups, entries, sizes = plan_layout(ckpt.tensors, where, prefix, n_files=len(dirs), tensor_align=tensor_align)
+    cfg = config if config is not None else ckpt.config_path
+    manifest = Manifest(
+        groups=groups,
+        tensors=entries,
+        files=[FileEntry(DATA_NAME, i, n) for i, n in enumerate(sizes)],
+        config_sha256=config_fingerprint(cfg),
+        config_file_sha256=hashlib.sha256(ckpt.config_path.read_bytes()).hexdigest() if ckpt.config_path else None,
+        layer_prefix=prefix,
+        tensor_align=tensor_align,
+        dirs=[str(d.resolve()) for d in dirs],
+        source={"checkpoint": str(Path(checkpoint_dir).resolve()), "files": [f.name for f in ckpt.files]},
+    )
+    manifest.validate(where="the planned layout")
+    _prepare(dirs, overwrite=overwrite)
+    _check_space(dirs, sizes)
+    fds = _reserve(dirs, sizes)
+    ok = False
+    try:
+        manifest.groups = _write_groups(ckpt, manifest, fds)
+        for fd, _ in fds:
+            os.fsync(fd)
+        ok = True
+    finally:
+        for d, (fd, _) in zip(dirs, fds):
+            os.close(fd)
+            partial = d / (DATA_NAME + ".partial")
+            if ok:
+                os.replace(partial, d / DATA_NAME)
+            else:
+                partial.unlink(missing_ok=True)
+    for name in _COPIED:
+        if (ckpt.dir / name).is_file():
+            shutil.copyfile(ckpt.dir / name, dirs[0] / name)
+    tmp = dirs[0] / (MANIFEST_NAME + ".partial")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, dirs[0] / MANIFEST_NAME)
+    for d in dirs:
+        _fsync_dir(d)
+    return manifest
+
+
+def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]]) -> StoreCheck:
+    """Re-read every group of a store and check its xxh3-64 checksum.
+
+    Raises:
+        StoreCorruptError: the first group (in file order) whose bytes differ, by layer name.
+        StoreFormatError: no store there, or a damaged manifest or data file.
+    """
+    first = store[0] if isinstance(store, (list, tuple)) else store
+    manifest = read_manifest(first)
+    dirs = resolve_dirs(store, manifest)
+    files = StoreFiles(dirs, manifest)
+    engine = PosixEngine(num_threads=4, read_pool_bytes=0)
+    start = time.perf_counter()
+    try:
+        largest = max((g.padded_nbytes for g in manifest.groups), default=0)
+        buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
+        order = sorted(manifest.groups, key=lambda g: (g.file, g.offset))
+        pending: list[tuple[GroupEntry, IOFuture]] = []
+        for i, g in enumerate(order):
+            pending.append((g, read_group(engine, files, g, buffers[i % 2], verify=True)))
+            if len(pending) == 2:
+                _wait_checked(*pending.pop(0))
+        for item in pending:
+            _wait_checked(*item)
+    finally:
+        engine.close()
+        files.close()
+    return StoreCheck(len(manifest.groups), manifest.total_nbytes(), time.perf_counter() - start)
+
+
+def _wait_checked(group: GroupEntry, future: IOFuture) -> None:
+    try:
+        future.wait()
+    except StoreCorruptError:
+        raise
+    except Exception as exc:
+        raise StoreCorruptError(f"{group.describe()} could not be read back: {exc}") from exc
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _prepare(dirs: list[Path], *, overwrite: bool) -> None:
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(f"out={d} is not writable by this process; fix its permissions or pass another directory")
+    if (dirs[0] / MANIFEST_NAME).exists():
+        if not overwrite:
+            raise ConfigError(f"{dirs[0]} holds a weight store already; pass overwrite=True (--force) to replace it, or another directory")
+        (dirs[0] / MANIFEST_NAME).unlink()  # from here on the old store no longer looks complete
+    for d in dirs:
+        if overwrite:
+            (d / DATA_NAME).unlink(missing_ok=True)
+        elif (d / DATA_NAME).exists():
+            raise ConfigError(f"{d} holds {DATA_NAME} without a manifest (an unfinished conversion?); pass overwrite=True (--force) or remove it")
+
+
+def _check_space(dirs: list[Path], sizes: list[int]) -> None:
+    """Raise :class:`StoreSpaceError` unless each filesystem has room for its files (directories on one
+    filesystem are summed)."""
+    need: dict[int, tuple[list[Path], int]] = {}
+    for d, n in zip(dirs, sizes):
+        dev = os.stat(d).st_dev
+        paths, total = need.get(dev, ([], _SLACK_BYTES))
+        need[dev] = (paths + [d], total + n)
+    for paths, total in need.values():
+        free = free_bytes(paths[0])
+        if free < total:
+            raise StoreSpaceError(
+                f"{', '.join(map(str, paths))}: the weight store needs {total} bytes ({format_bytes(total)}) but the "
+                f"filesystem has {free} bytes ({format_bytes(free)}) free; free space, pass a larger drive, or stripe "
+                f"over several drives (out=[dir1, dir2, ...]). Nothing was written"
+            )
+
+
+def _reserve(dirs: list[Path], sizes: list[int]) -> list[tuple[int, bool]]:
+    """Create ``weights.bin.partial`` in each directory, reserved whole: ``[(fd, O_DIRECT)]``."""
+    fds: list[tuple[int, bool]] = []
+    try:
+        for d, n in zip(dirs, sizes):
+            path = d / (DATA_NAME + ".partial")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            try:
+                fds.append((os.open(path, flags | os.O_DIRECT, 0o644), True))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                fds.append((os.open(path, flags, 0o644), False))
+            try:
+                os.posix_fallocate(fds[-1][0], 0, max(n, 1))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise StoreSpaceError(
+                        f"{d}: reserving {n} bytes ({format_bytes(n)}) for {DATA_NAME} failed ({os.strerror(exc.errno)}; "
+                        f"{free_bytes(d)} bytes free); free space or pass another drive. Nothing was written"
+                    ) from exc
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                os.ftruncate(fds[-1][0], n)  # no fallocate on this filesystem: ENOSPC would show while writing
+    except BaseException:
+        for (fd, _), d in zip(fds, dirs):
+            os.close(fd)
+            (d / (DATA_NAME + ".partial")).unlink(missing_ok=True)
+        raise
+    return fds
+
+
+def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]]) -> list[GroupEntry]:
+    """Pack, hash and write every group; returns the groups with their checksums."""
+    files = [SpillFile(id=i, dir=Path(manifest.dirs[manifest.files[i].dir]), fd=fd, direct=direct) for i, (fd, direct) in enumerate(fds)]
+    largest = max((g.padded_nbytes for g in manifest.groups), default=0)
+    buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
+    in_flight: list[IOFuture | None] = [None, None]
+    members: dict[str, list[TensorEntry]] = {}
+    for t in manifest.tensors:
+        members.setdefault(t.group, []).append(t)
+    engine = PosixEngine(num_threads=4, read_pool_bytes=0)
+    done: list[GroupEntry] = []
+    try:
+        with open_tensors(ckpt) as handles:
+            source = {t.name: handles[t.file] for t in ckpt.tensors}
+            for i, g in enumerate(manifest.groups):
+                buf = buffers[i % 2]
+                if in_flight[i % 2] is not None:
+                    in_flight[i % 2].wait()  # the buffer's previous group is on the drive
+                buf[: g.padded_nbytes].zero_()
+                for t in members.get(g.name, []):
+                    _pack(source[t.name], t, buf, g.offset)
+                data = buf[: g.nbytes]
+                done.append(GroupEntry(g.name, g.layer, g.file, g.offset, g.nbytes, checksum(data)))
+                if g.nbytes:
+                    in_flight[i % 2] = engine.write(data, Slot(files[g.file], g.offset, g.padded_nbytes))
+        for f in in_flight:
+            if f is not None:
+                f.wait()
+    finally:
+        engine.close()
+    return done
+
+
+def _pack(handle: object, entry: TensorEntry, buf: torch.Tensor, group_offset: int) -> None:
+    tensor = handle.get_tensor(entry.name)  # type: ignore[attr-defined]
+    if tensor.dtype != getattr(torch, entry.dtype) or tuple(tensor.shape) != entry.shape:
+        raise ConfigError(f"tensor {entry.name}: header says {entry.dtype} {entry.shape}, data is {tensor.dtype} {tuple(tensor.shape)}")
+    if entry.nbytes:
+        lo = entry.offset - group_offset
+        buf[lo : lo + entry.nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,152 @@
+"""Opening a store's data files and reading whole groups through the project's engines.
+
+A group is read as one aligned range (``offset`` and length multiples of 4 KiB) into a
+page-aligned host buffer, so :class:`~gds_offload.io.posix.PosixEngine` moves it with
+``O_DIRECT`` straight into that buffer (:mod:`gds_offload.io.pages`: a buffer whose head
+is 0 is read in place, in chunks spread over the engine's threads).
+"""
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gds_offload.errors import OffloadError
+from gds_offload.integrity import checksum
+from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.pages import map_anonymous
+from gds_offload.store import Slot, SpillFile
+from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
+from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry, Manifest
+
+__all__ = ["StoreFiles", "aligned_host_buffer", "corrupt_error", "read_group", "resolve_dirs"]
+
+
+def resolve_dirs(store: str | os.PathLike[str] | list[str | os.PathLike[str]], manifest: Manifest | None = None) -> list[Path]:
+    """The store's directories as a list; checks the count against ``manifest`` when given."""
+    dirs = [Path(p) for p in store] if isinstance(store, (list, tuple)) else [Path(store)]
+    if manifest is not None:
+        need = 1 + max((f.dir for f in manifest.files), default=0)
+        if len(dirs) != need:
+            raise StoreFormatError(
+                f"the store is striped over {need} directories but {len(dirs)} were given ({', '.join(map(str, dirs))}); "
+                f"pass all of them in the order used at conversion: {', '.join(manifest.dirs) or '(not recorded)'}"
+            )
+    return dirs
+
+
+def aligned_host_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned CPU uint8 tensor of ``nbytes`` rounded up to 4 KiB, in its own mapping
+    (huge pages where the kernel allows, :func:`~gds_offload.io.pages.map_anonymous`).
+
+    The tensor keeps the mapping alive: views of it (parameters) may outlive every other reference.
+    """
+    length = max(GROUP_ALIGN, -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN)
+    mm = map_anonymous(length)
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=length))
+
+
+class _DataFile(SpillFile):
+    """A store data file as an engine sees it (``dir`` holds the file's path)."""
+
+    def describe(self) -> str:
+        return f"weight store file {self.dir}"
+
+
+class StoreFiles:
+    """The store's data files, opened read-only (``O_DIRECT`` where the filesystem allows).
+
+    Raises:
+        StoreFormatError: a data file is missing or shorter than the manifest says.
+    """
+
+    def __init__(self, dirs: list[Path], manifest: Manifest, *, direct: bool = True) -> None:
+        self.files: list[SpillFile] = []
+        try:
+            for i, entry in enumerate(manifest.files):
+                path = dirs[entry.dir] / entry.path
+                fd, is_direct, note = _open_read(path, direct=direct)
+                self.files.append(_DataFile(id=i, dir=path, fd=fd, direct=is_direct, note=note, size=entry.nbytes))
+                size = os.fstat(fd).st_size
+                if size < entry.nbytes:
+                    raise StoreFormatError(f"{path} has {size} bytes, the manifest says {entry.nbytes}: truncated; convert the checkpoint again")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def direct(self) -> bool:
+        return all(f.direct for f in self.files)
+
+    def slot(self, group: GroupEntry) -> Slot:
+        """The group's byte range as an engine slot (aligned start and length)."""
+        return Slot(self.files[group.file], group.offset, group.padded_nbytes)
+
+    def close(self) -> None:
+        for f in self.files:
+            if f.fd >= 0:
+                os.close(f.fd)
+                f.fd = -1
+
+
+def _open_read(path: Path, *, direct: bool) -> tuple[int, bool, str]:
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    try:
+        if direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT), True, ""
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                return os.open(path, flags), False, f"{path.parent} refused O_DIRECT: buffered reads"
+        return os.open(path, flags), False, "O_DIRECT not requested"
+    except FileNotFoundError:
+        raise StoreFormatError(f"{path} is missing: the store is incomplete; convert the checkpoint again") from None
+
+
+def read_group(engine: Engine, files: StoreFiles, group: GroupEntry, dst: torch.Tensor, *, verify: bool = False) -> IOFuture:
+    """Start reading ``group`` into ``dst[:group.nbytes]`` (``dst``: page-aligned, at least
+    ``group.padded_nbytes`` long, its storage owned by it). Returns at once.
+
+    The future fails with :class:`~gds_offload.errors.OffloadError` on an I/O error or a
+    short read, and, with ``verify``, with :class:`StoreCorruptError` naming the layer when
+    the bytes' xxh3-64 differs from the manifest's (hashed on the engine thread that
+    completed the read, before the future is done).
+
+    .. note:: Buffer ownership: the caller keeps ``dst`` alive and untouched until the future is done.
+    """
+    assert dst.numel() >= group.padded_nbytes and dst.data_ptr() % GROUP_ALIGN == 0, "read_group needs a page-aligned buffer of the padded size"
+    target = dst[: group.nbytes]
+    if group.nbytes == 0:
+        return IOFuture.completed(0)
+    out: Future[int] = Future()
+
+    def check(done: IOFuture) -> None:
+        try:
+            moved = done.wait(0)
+            if moved != group.nbytes:
+                raise OffloadError(f"short read of {group.describe()}: {moved} of {group.nbytes} bytes")
+            if verify:
+                actual = checksum(target)
+                if actual != group.xxh3_64:
+                    raise corrupt_error(group, files, f"xxh3-64 {actual:016x}, expected {group.xxh3_64:016x}")
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(exc)
+            return
+        out.set_result(moved)
+
+    engine.read(target, files.slot(group)).add_done_callback(check)
+    return IOFuture(out, group.nbytes)
+
+
+def corrupt_error(group: GroupEntry, files: StoreFiles, why: str) -> StoreCorruptError:
+    """A :class:`StoreCorruptError` naming the group (layer), its file and offset, and what differs."""
+    f = files.files[group.file]
+    return StoreCorruptError(
+        f"{group.describe()} is corrupt: {why}. File {f.dir}, offset {group.offset}, {group.nbytes} bytes. "
+        f"Convert the checkpoint again (gds-offload convert CHECKPOINT OUT), then check the drive"
+    )

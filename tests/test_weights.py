@@ -1,0 +1,314 @@
+"""The weight store (gds_offload.weights): conversion, layout, manifest, checks, and streaming
+inference bit-identical to the resident model. Tiny Hugging Face models built from configs,
+random weights saved with save_pretrained; nothing is downloaded."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install 'gds_offload[hf]')")
+
+from conftest import real_disk_base  # noqa: E402
+
+from gds_offload.cli import main as cli_main  # noqa: E402
+from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.weights import (  # noqa: E402
+    ConfigMismatchError,
+    Manifest,
+    StoreCorruptError,
+    StoreFormatError,
+    StoreSpaceError,
+    WeightsMismatchError,
+    convert,
+    load_streamed,
+    read_manifest,
+    verify_store,
+)
+from gds_offload.weights.manifest import GROUP_ALIGN  # noqa: E402
+
+LAYERS, VOCAB = 4, 256
+#: The module (the package's ``convert`` attribute is the function of that name).
+convert_mod = importlib.import_module("gds_offload.weights.convert")
+
+
+def _config(**kw: object) -> transformers.LlamaConfig:
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    return transformers.LlamaConfig(**(base | kw))
+
+
+def _save(cfg: transformers.PretrainedConfig, path: Path, **save_kw: object) -> Path:
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, **save_kw)
+    return path
+
+
+def _skeleton(path: Path, *, empty_weights: bool = False) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    if empty_weights:
+        import accelerate
+
+        with accelerate.init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    else:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.eval()
+
+
+def _resident(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = real_disk_base() / f"gds_offload-weights-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(base: Path) -> Path:
+    return _save(_config(), base / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def store(base: Path, ckpt: Path) -> Path:
+    convert(ckpt, base / "store")
+    return base / "store"
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+# -- conversion and layout -------------------------------------------------------------------
+def test_layout_is_aligned_and_one_range_per_layer(ckpt: Path, store: Path) -> None:
+    m = read_manifest(store)
+    assert [g.name for g in m.layers] == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert m.resident is not None and m.layer_prefix == "model.layers"
+    data = (store / "weights.bin").read_bytes()
+    assert len(data) == m.files[0].nbytes
+    end = 0
+    for g in m.groups:  # groups in file order, each 4 KiB-aligned, padded with zeros
+        assert g.offset % GROUP_ALIGN == 0 and g.offset >= end
+        assert data[g.offset + g.nbytes : g.offset + g.padded_nbytes] == bytes(g.padded_nbytes - g.nbytes)
+        end = g.offset + g.padded_nbytes
+        members = sorted(m.tensors_of(g.name), key=lambda t: t.offset)
+        assert members and members[0].offset == g.offset and members[-1].offset + members[-1].nbytes == g.offset + g.nbytes
+        for a, b in zip(members, members[1:]):
+            assert b.offset % m.tensor_align == 0 and 0 <= b.offset - (a.offset + a.nbytes) < m.tensor_align
+        for t in members:
+            assert (t.group == "resident") == (not t.name.startswith("model.layers."))
+    state = safetensors_torch.load_file(ckpt / "model.safetensors")
+    assert sorted(state) == sorted(t.name for t in m.tensors)
+    for t in m.tensors:  # every tensor's bytes where the manifest says
+        assert data[t.offset : t.offset + t.nbytes] == state[t.name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert (store / "config.json").is_file() and not list(store.glob("*.partial"))
+
+
+def test_sharded_checkpoint_converts_to_the_same_store(base: Path, store: Path) -> None:
+    sharded = _save(_config(), base / "ckpt-sharded", max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
+    m = convert(sharded, base / "store-sharded")
+    single = read_manifest(store)
+    assert m.groups == single.groups and m.tensors == single.tensors and m.config_sha256 == single.config_sha256
+    assert (base / "store-sharded" / "weights.bin").read_bytes() == (store / "weights.bin").read_bytes()
+    assert m.source["files"] == sorted(p.name for p in sharded.glob("*.safetensors"))
+
+
+def test_manifest_round_trip_and_validation(store: Path) -> None:
+    m = read_manifest(store)
+    assert Manifest.from_json(m.to_json()) == m
+    d = json.loads(m.to_json())
+    d["format_version"] = 99
+    with pytest.raises(StoreFormatError, match="format version 99.*Convert the checkpoint again"):
+        Manifest.from_json(json.dumps(d))
+    d = json.loads(m.to_json())
+    d["groups"][1]["offset"] += 64
+    with pytest.raises(StoreFormatError, match="not a multiple of 4096"):
+        Manifest.from_json(json.dumps(d))
+    d = json.loads(m.to_json())
+    d["tensors"][0]["nbytes"] += 10**6
+    with pytest.raises(StoreFormatError, match="outside group"):
+        Manifest.from_json(json.dumps(d))
+    with pytest.raises(StoreFormatError, match="holds no manifest.json"):
+        read_manifest(store.parent)
+
+
+def test_existing_store_is_not_overwritten_without_force(ckpt: Path, store: Path) -> None:
+    with pytest.raises(ConfigError, match="holds a weight store already.*overwrite=True"):
+        convert(ckpt, store)
+
+
+def test_too_small_drive_is_refused_before_writing(monkeypatch: pytest.MonkeyPatch, base: Path, ckpt: Path) -> None:
+    monkeypatch.setattr(convert_mod, "free_bytes", lambda path: 100_000)
+    out = base / "store-nospace"
+    with pytest.raises(StoreSpaceError, match=r"needs \d+ bytes .* has 100000 bytes .* free.*Nothing was written"):
+        convert(ckpt, out)
+    assert list(out.iterdir()) == []
+
+
+def test_fallocate_failure_is_refused_before_writing(monkeypatch: pytest.MonkeyPatch, base: Path, ckpt: Path) -> None:
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(convert_mod.os, "posix_fallocate", full)
+    out = base / "store-fallocate"
+    with pytest.raises(StoreSpaceError, match=r"reserving \d+ bytes .* failed \(No space left on device; \d+ bytes free\)"):
+        convert(ckpt, out)
+    assert list(out.iterdir()) == []
+
+
+def test_check_names_the_corrupted_layer(base: Path, store: Path) -> None:
+    bad = base / "store-corrupt"
+    shutil.copytree(store, bad)
+    assert verify_store(bad).groups == LAYERS + 1
+    g = read_manifest(bad).group("model.layers.2")
+    with open(bad / "weights.bin", "r+b") as fh:
+        fh.seek(g.offset + 1000)
+        byte = fh.read(1)
+        fh.seek(g.offset + 1000)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(StoreCorruptError, match=r"layer 2 \(model.layers.2\) is corrupt"):
+        verify_store(bad)
+    assert cli_main(["convert", "--check", str(bad)]) == 1
+    assert cli_main(["convert", "--check", str(store)]) == 0
+    with pytest.raises(StoreCorruptError, match=r"layer 2 \(model.layers.2\) is corrupt"):  # verify=True names it at read time
+        with load_streamed(_skeleton(bad), bad, verify=True) as h, torch.no_grad():
+            h(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_cli_convert_with_check(base: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = base / "store-cli"
+    assert cli_main(["convert", str(ckpt), str(out), "--check", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["converted"]["layers"] == LAYERS and result["check"]["ok"] is True
+    assert cli_main(["convert", str(base / "nothing-here"), str(base / "store-none")]) == 2
+    assert "neither model.safetensors" in capsys.readouterr().err
+
+
+# -- streaming ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("tier", "slots", "resident_layers"), [("drive", 2, 0), ("drive", 1, 0), ("drive", 3, 1), ("host", 2, 0)])
+def test_logits_bit_identical_to_resident(ckpt: Path, store: Path, ids: torch.Tensor, tier: str, slots: int, resident_layers: int) -> None:
+    with torch.no_grad():
+        want = _resident(ckpt)(ids).logits
+        with load_streamed(_skeleton(store), store, tier=tier, slots=slots, resident_layers=resident_layers, verify=True) as h:
+            for _ in range(2):
+                assert torch.equal(h(ids).logits, want)
+            s = h.stats()
+    assert s.misses == 0 and s.wasted_reads == 0
+    assert len(s.streamed_layers) == (0 if tier == "host" else LAYERS - resident_layers)
+
+
+def test_generate_greedy_and_sampling_match(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    ref = _resident(ckpt)
+    kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with load_streamed(_skeleton(store), store) as h:
+        for tier_kw in ({"do_sample": False}, {"do_sample": True, "top_k": 20}):
+            torch.manual_seed(7)
+            want = ref.generate(ids, **kw, **tier_kw)
+            torch.manual_seed(7)
+            got = h.generate(ids, **kw, **tier_kw)
+            assert torch.equal(got, want) and got.shape[1] == ids.shape[1] + 6
+        assert h.stats().misses == 0
+
+
+def test_each_layer_read_once_per_forward(store: Path, ids: torch.Tensor) -> None:
+    forwards, slots = 3, 2
+    with load_streamed(_skeleton(store), store, slots=slots) as h, torch.no_grad():
+        for _ in range(forwards):
+            h(ids)
+        s = h.stats()
+    layer_bytes = [g.nbytes for g in read_manifest(store).layers]
+    assert s.loads == [forwards] * LAYERS
+    # One read per layer per forward, plus the reads prefetched for the next forward (one per slot).
+    extra = [r - forwards for r in s.reads]
+    assert extra == [1] * slots + [0] * (LAYERS - slots)
+    assert s.bytes_read == sum(r * n for r, n in zip(s.reads, layer_bytes))
+    assert s.misses == 0 and s.wasted_reads == 0 and s.direct
+
+
+def test_layer_called_out_of_order_is_a_miss_not_wrong(ckpt: Path, store: Path) -> None:
+    ref = _resident(ckpt)
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(5)[None]
+    with torch.no_grad():
+        pe = ref.model.rotary_emb(x, pos)
+        want = ref.model.layers[2](x, position_embeddings=pe, attention_mask=None)
+        with load_streamed(_skeleton(store), store) as h:
+            got = h.model.model.layers[2](x, position_embeddings=pe, attention_mask=None)
+            s = h.stats()
+    assert torch.equal(got[0] if isinstance(got, tuple) else got, want[0] if isinstance(want, tuple) else want)
+    assert s.misses == 1 and s.wasted_reads == 2 and s.loads == [0, 0, 1, 0]
+    assert h.model.model.layers[2].self_attn.q_proj.weight.is_meta  # real only during its forward
+
+
+def test_tied_embeddings(base: Path, ids: torch.Tensor) -> None:
+    ckpt = _save(_config(tie_word_embeddings=True), base / "ckpt-tied")
+    m = convert(ckpt, base / "store-tied")
+    assert "lm_head.weight" not in {t.name for t in m.tensors}
+    with torch.no_grad(), load_streamed(_skeleton(base / "store-tied", empty_weights=True), base / "store-tied") as h:
+        assert h.model.lm_head.weight is h.model.model.embed_tokens.weight and not h.model.lm_head.weight.is_meta
+        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+
+
+def test_config_mismatch_is_refused(store: Path) -> None:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config(rms_norm_eps=1e-5))
+    with pytest.raises(ConfigMismatchError, match=r"rms_norm_eps: model 1e-05, store 1e-06.*AutoConfig.from_pretrained"):
+        load_streamed(model, store)
+
+
+def test_missing_extra_and_misshaped_keys_are_listed(base: Path, ckpt: Path) -> None:
+    state = safetensors_torch.load_file(ckpt / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.0.extra.weight"] = torch.zeros(3)
+    state["model.norm.weight"] = torch.ones(32)
+    bad = base / "ckpt-bad"
+    bad.mkdir()
+    safetensors_torch.save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(ckpt / "config.json", bad / "config.json")
+    convert(bad, base / "store-bad")
+    with pytest.raises(WeightsMismatchError) as info:
+        load_streamed(_skeleton(base / "store-bad"), base / "store-bad")
+    msg = str(info.value)
+    assert "in the model but not in the store (1): model.layers.1.mlp.up_proj.weight" in msg
+    assert "in the store but not in the model (1): model.layers.0.extra.weight" in msg
+    assert "model.norm.weight: model float32 (64,), store float32 (32,)" in msg
+
+
+def test_gpt2_layers_and_bad_arguments(base: Path, ids: torch.Tensor) -> None:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
+    ckpt = _save(cfg, base / "ckpt-gpt2")
+    m = convert(ckpt, base / "store-gpt2")
+    assert m.layer_prefix == "transformer.h" and len(m.layers) == 3
+    with torch.no_grad(), load_streamed(_skeleton(base / "store-gpt2"), base / "store-gpt2", slots=2) as h:
+        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+    for kw, match in (({"tier": "ram"}, "tier='ram'"), ({"slots": 0}, "slots=0"), ({"resident_layers": 9}, "resident_layers=9"), ({"device": "meta"}, "device=meta")):
+        with pytest.raises(ConfigError, match=match):
+            load_streamed(_skeleton(base / "store-gpt2"), base / "store-gpt2", **kw)
+
+
+def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    dirs = [base / "stripe-a", base / "stripe-b"]
+    m = convert(ckpt, dirs)
+    assert [g.file for g in m.layers] == [0, 1, 0, 1] and m.resident.file == 0 and [f.dir for f in m.files] == [0, 1]
+    assert (dirs[1] / "weights.bin").stat().st_size == m.files[1].nbytes and not (dirs[1] / "manifest.json").exists()
+    assert verify_store(dirs).groups == LAYERS + 1
+    with pytest.raises(StoreFormatError, match="striped over 2 directories but 1 were given"):
+        load_streamed(_skeleton(dirs[0]), dirs[0])
+    with torch.no_grad(), load_streamed(_skeleton(dirs[0]), dirs) as h:
+        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
