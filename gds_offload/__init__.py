@@ -20,7 +20,7 @@ from gds_offload._version import __version__
 
 if TYPE_CHECKING:
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
-    from gds_offload.offloader import Offloader, OffloadConfig, attach
+    from gds_offload.offloader import OffloadConfig, Offloader, attach
     from gds_offload.policy import Budget, BudgetError, Plan
     from gds_offload.stats import LayerStats, OffloadStats
 

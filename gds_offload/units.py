@@ -71,6 +71,8 @@ def format_bytes(nbytes: float) -> str:
     step = 1024.0
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < step or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+            if unit == "B" or abs(nbytes) >= 100:
+                return f"{nbytes:.0f} {unit}"  # 1020 MiB, not 1.02e+03 MiB
+            return f"{nbytes:.3g} {unit}"
         nbytes /= step
     raise AssertionError("unreachable")

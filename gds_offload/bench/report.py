@@ -9,6 +9,7 @@ section names the command, commit and machine that produced it. Regenerate with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,13 +172,14 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
         f"* command: `{doc['command']}`",
         f"* commit: `{doc.get('commit') or 'not recorded'}`; started {doc.get('started', '?')}; wall {doc.get('wall_s', 0):.0f} s",
         f"* machine: {_machine_line(doc.get('machine'))}",
-        f"* results: [`{section.path.name}`]({section.path.relative_to(page_dir).as_posix() if section.path.is_relative_to(page_dir) else section.path})",
+        f"* results: [`{section.path.name}`]({os.path.relpath(section.path, page_dir)})",
         "",
     ]
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
-    plot = doc.get("plot")
-    if plot:
-        lines += ["", f"![{section.title}]({plot})"]
+    plot = Path(doc["plot"]) if doc.get("plot") else None
+    # A path from the repository root, as the command was run; only plots kept beside the page.
+    if plot is not None and plot.exists() and plot.resolve().is_relative_to(page_dir.resolve()):
+        lines += ["", f"![{section.title}]({os.path.relpath(plot, page_dir)})"]
     return lines + [""]
 
 

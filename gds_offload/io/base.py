@@ -21,9 +21,9 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
-from gds_offload.errors import OffloadError
-
 import torch
+
+from gds_offload.errors import OffloadError
 
 if TYPE_CHECKING:
     from gds_offload.io.limits import TokenBucket

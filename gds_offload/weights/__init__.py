@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from gds_offload.weights.convert import StoreCheck, convert, verify_store
 from gds_offload.weights.errors import ConfigMismatchError, StoreCorruptError, StoreFormatError, StoreSpaceError, WeightsMismatchError
-from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 
 __all__ = [
     "convert",
