@@ -590,12 +590,15 @@ def test_adaptive_policy_times_units_with_cuda_events(spill_path: Path) -> None:
     lm_loss(model, tokens).backward()  # warm-up without the offloader: context, cuBLAS, kernels
     torch.cuda.synchronize()
     with gds_offload.attach(model, path=spill_path, mode="host", policy="adaptive") as off:
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        lm_loss(model, tokens).backward()
-        torch.cuda.synchronize()
-        wall_s = time.perf_counter() - t0
+        assert "profiling" in off.plan().reason  # before any measured step: says so, claims no times
+        for _ in range(2):  # Adaptive.warmup_steps=1: the first step is a warm-up, the second is profiled
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            lm_loss(model, tokens).backward()
+            torch.cuda.synchronize()
+            wall_s = time.perf_counter() - t0
         plan = off.plan()
+        assert "profiling" not in plan.reason, plan.reason
         layer_stats = {s.name: s for s in off.stats().layers}
     names = [f"blocks.{i}" for i in range(cfg.layers)]
     rows = [d for d in plan.decisions if d.name in names]

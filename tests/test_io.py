@@ -600,3 +600,54 @@ def test_negative_read_pool_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"read_pool_bytes=-1.*use 0"):
         PosixEngine(read_pool_bytes=-1)
+
+
+@pytest.mark.skipif(not kvikio_status()[0], reason="needs KvikIO (and libcuda.so.1 for its host I/O)")
+def test_engines_opening_handles_at_once_leave_kvikio_compat_mode_as_it_was(monkeypatch: pytest.MonkeyPatch, spill_dir: Path) -> None:
+    """``kvikio.defaults.set("compat_mode", ...)`` is process-wide: a gds and a compat engine opening
+    handles at the same time must each open with their own mode and leave the process's mode as
+    it was (before: one lock per engine, and the process ended with compat mode OFF).
+
+    ``CuFile`` is replaced by a slow fake that records the mode it was opened under: a real
+    compat-OFF open needs the GDS driver, which this machine lacks."""
+    import threading
+
+    import kvikio
+    import kvikio.defaults
+
+    from gds_offload.io.kvikio_engine import KvikIOEngine
+
+    seen: list[tuple[str, object]] = []
+
+    class SlowCuFile:
+        def __init__(self, path: str, flags: str) -> None:
+            mode = kvikio.defaults.get("compat_mode")
+            time.sleep(0.002)  # widen the window in which the other engine could change the mode
+            seen.append((threading.current_thread().name, mode))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(kvikio, "CuFile", SlowCuFile)
+    before = kvikio.defaults.get("compat_mode")
+    engines = {"gds": KvikIOEngine("gds", num_threads=2), "compat": KvikIOEngine("compat", num_threads=2)}
+    stores = [SpillStore([spill_dir]) for _ in range(80)]
+
+    def open_all(name: str) -> None:
+        for store in stores:
+            engines[name]._handle(store.files[0])
+
+    try:
+        threads = [threading.Thread(target=open_all, args=(n,), name=n) for n in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for e in engines.values():
+            e.close()
+        for store in stores:
+            store.close()
+    expected = {"gds": kvikio.CompatMode.OFF, "compat": kvikio.CompatMode.ON}
+    assert all(mode == expected[name] for name, mode in seen), seen
+    assert kvikio.defaults.get("compat_mode") == before

@@ -115,7 +115,7 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
         rows.setdefault(r["mode"], []).append(r)
     paired = any("paired_ratio" in s for s in summary.values())
     head = ["mode", "step (median)", "x keep", *(["x keep, paired"] if paired else []), "peak activation memory", "x keep",
-            "written / step", "offloader peak: kept / writing / read ahead", "I/O wait / step", "losses = keep"]
+            "written / step", "deduplicated / step", "offloader peak: kept / writing / read ahead", "I/O wait / step", "losses = keep"]
     out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for mode, runs in rows.items():
         s, r = summary[mode], runs[0]
@@ -138,6 +138,7 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
             _bytes(peaks[len(peaks) // 2] if peaks else None),
             _ratio(s.get("memory_ratio")),
             _bytes(off["bytes_offloaded"] / n) if off else "-",
+            _bytes(off["bytes_deduplicated"] / n) if off else "-",
             parts,
             f"{off['io_wait_seconds'] / n:.3f} s" if off else "-",
             verdict,

@@ -691,9 +691,12 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     emit({"event": "setup", "mode": spec.mode, "engine": result.engine, "engine_reason": result.engine_reason,
           "gds": result.gds, "layers": len(result.layer_names), "device": spec.device})
 
+    # Every CUDA call names the device: without it, --device cuda:1 would time and measure GPU 0.
+    gpu = torch.device(spec.device) if cuda else None
+
     def sync() -> None:
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(gpu)
 
     def step(i: int) -> tuple[float, float]:
         batch = wl.batch_fn(i)
@@ -724,8 +727,8 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
         gc.collect()
         sync()
         if cuda:
-            result.base_bytes = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            result.base_bytes = torch.cuda.memory_allocated(gpu)
+            torch.cuda.reset_peak_memory_stats(gpu)
             result.memory_source = "torch.cuda.max_memory_allocated - memory_allocated after warm-up"
         elif spec.measure_memory:
             result.base_bytes = _proc_status_bytes("VmRSS")
@@ -742,18 +745,18 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
             offloaded = not paired or abba_first_half(i - spec.warmup)
             if paired and offloaded:  # the peak of offloaded steps only
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.reset_peak_memory_stats(gpu)
                 elif hwm:
                     _reset_hwm()
             with off.paused() if paired and not offloaded else contextlib.nullcontext():  # type: ignore[union-attr]
                 loss, dt = step(i)
             if paired and offloaded:
-                now = torch.cuda.max_memory_allocated() if cuda else _proc_status_bytes("VmHWM") if hwm else None
+                now = torch.cuda.max_memory_allocated(gpu) if cuda else _proc_status_bytes("VmHWM") if hwm else None
                 paired_peak = max(paired_peak, now or 0)
             (result.step_seconds if offloaded else result.paired_keep_seconds).append(dt)
             record(i, "measure" if offloaded else "paused", loss, dt)
         if cuda:
-            peak_abs: int | None = paired_peak if paired else torch.cuda.max_memory_allocated()
+            peak_abs: int | None = paired_peak if paired else torch.cuda.max_memory_allocated(gpu)
         else:
             peak_abs = (paired_peak if paired else _proc_status_bytes("VmHWM")) if hwm else None
         if peak_abs is not None and result.base_bytes is not None:

@@ -63,6 +63,12 @@ def kvikio_status() -> tuple[bool, str]:
     return True, f"KvikIO {kvikio.__version__}"
 
 
+#: ``kvikio.defaults.set`` changes a process-wide setting: every engine's handle opening goes
+#: through this one lock, or a gds and a compat engine opening at once can leave the
+#: process's compat mode at the other's value when both restore what they saw.
+_COMPAT_LOCK = threading.Lock()
+
+
 class KvikIOEngine(PageSpanEngine):
     """KvikIO ``CuFile`` reads and writes, in GDS (direct) or compat mode.
 
@@ -133,7 +139,7 @@ class KvikIOEngine(PageSpanEngine):
             h = self._handles.get(f)
             if h is None:
                 try:
-                    with self._kvikio.defaults.set("compat_mode", self._compat):
+                    with _COMPAT_LOCK, self._kvikio.defaults.set("compat_mode", self._compat):
                         h = self._kvikio.CuFile(f.proc_path, "r+")
                 except Exception as exc:
                     if self.name == "gds":
