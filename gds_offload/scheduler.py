@@ -10,6 +10,12 @@ Each storage's life is an :class:`~gds_offload.entry.Entry` with an explicit
 :class:`~gds_offload.entry.State`; per-forward bookkeeping (units, timing, dedup) is a
 :class:`~gds_offload.profile.ForwardRecord`.
 
+The module is longer than the project's others on purpose: pack, write completion,
+unpack, prefetch and release all drive the same entry transitions under one lock, and
+keeping that orchestration in one place keeps the lock's invariants readable. The
+transitions themselves live in :mod:`gds_offload.entry`, per-forward tracking in
+:mod:`gds_offload.forwards`.
+
 Threads: ``pack`` runs on the thread running the forward; each thread has its own
 current forward, so several threads may run forward and backward on one attached model.
 ``unpack`` runs where autograd runs the node's backward (the calling thread on CPU;
@@ -33,7 +39,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gds_offload.entry import Entry, Handle, State, version_root
 from gds_offload.errors import OffloadError, SpillSpaceError
 from gds_offload.integrity import checked_read, checked_write, checksum
-from gds_offload.profile import Clock, ForwardRecord, NoTiming
+from gds_offload.forwards import Forwards
+from gds_offload.profile import ForwardRecord, NoTiming
 from gds_offload.stats import LayerStats, OffloadStats
 
 if TYPE_CHECKING:
@@ -86,10 +93,7 @@ class Scheduler:
         self._stats = stats
         self._lock = threading.RLock()
         self._written = threading.Condition(self._lock)
-        self._tls = threading.local()
-        self._next_id = 0
-        self._forwards: dict[int, ForwardRecord] = {}
-        self._layer_calls_last = 0
+        self.forwards = Forwards(self._lock, self._observe)
         self._largest_unit_bytes = 0
         self._held = {"kept": 0, "writing": 0, "loaded": 0}
         self._writing: set[Entry] = set()
@@ -108,54 +112,36 @@ class Scheduler:
         stats.write_window_bytes = self._window()
 
     # ------------------------------------------------------------------ forwards
-    def _current(self) -> ForwardRecord | None:
-        return getattr(self._tls, "forward", None)
-
     def begin_forward(self, params: list[torch.Tensor], expected_layer_calls: int) -> int:
         """Start a forward on this thread. Returns its id. On error nothing has changed."""
         with self._lock:
             self._raise_pending_error()
-            assert self._current() is None, "a forward is already running on this thread"
-            for fid in [f for f, r in self._forwards.items() if r.ended and r.live_handles == 0]:
-                self._finish(fid)  # never reached backward (eval under grad, or handles dropped)
-            self.policy.begin_forward(self._layer_calls_last or expected_layer_calls)
-            clock = Clock(params[0].device if params else torch.device("cpu"))
+            self.forwards.drop_unreached()
             storages = frozenset(p.untyped_storage()._cdata for p in params if not self._unsupported(p))
-            fwd = ForwardRecord(self._next_id, clock, storages)
-            fwd.peak_resident_bytes = self._stats.resident_bytes
-            fwd.begin_unit("<pre>")
-            self._next_id += 1
-            self._forwards[fwd.id] = fwd
+            self.policy.begin_forward(self.forwards.layer_calls_last or expected_layer_calls)
+            device = params[0].device if params else torch.device("cpu")
+            fwd = self.forwards.begin(device, storages, self._stats.resident_bytes)
             self._stats.steps += 1
-            self._tls.forward = fwd
             return fwd.id
 
     def end_forward(self) -> None:
         with self._lock:
-            fwd = self._current()
-            assert fwd is not None, "end_forward without a forward on this thread"
-            self._tls.forward = None
-            fwd.end()
-            self._layer_calls_last = fwd.unit
+            self.forwards.end()
 
     def begin_layer(self, name: str) -> None:
         """A layer call starts inside this thread's forward (module forward pre-hook)."""
-        fwd = self._current()
-        if fwd is None:
-            return  # recomputation under checkpoint during backward: not a new unit
-        with self._lock:
-            fwd.begin_unit(name)
+        self.forwards.begin_layer(name)
 
     def current_position(self) -> tuple[int, int] | None:
         """(forward id, unit) while this thread is inside a forward, else None."""
-        fwd = self._current()
+        fwd = self.forwards.current()
         return (fwd.id, fwd.unit) if fwd is not None else None
 
     def on_unit_backward(self, forward_id: int, unit: int) -> None:
         """Backward reached ``unit`` (a grad_fn pre-hook on the unit's output): prefetch below it."""
-        self._note_backward(forward_id)
+        self.forwards.note_backward(forward_id)
         with self._lock:
-            fwd = self._forwards.get(forward_id)
+            fwd = self.forwards.get(forward_id)
             if fwd is not None and unit < len(fwd.units) and fwd.units[unit].t_backward is None:
                 fwd.units[unit].t_backward = fwd.clock.mark()
         self._prefetch(forward_id, unit)
@@ -168,7 +154,7 @@ class Scheduler:
         that cannot be offloaded (sparse, nested, quantized, subclasses, meta); else a
         :class:`~gds_offload.entry.Handle`. Blocks only when the write window is full.
         """
-        fwd = self._current()
+        fwd = self.forwards.current()
         if fwd is None:
             return t  # hooks left on this thread by a forward that was not ours to track
         if self._unsupported(t):
@@ -216,7 +202,7 @@ class Scheduler:
         if self._error is not None:  # on_error="raise": a write failed; the tensor is still in memory
             with self._lock:
                 self._raise_pending_error()
-        self._note_backward(entry.forward_id)
+        self.forwards.note_backward(entry.forward_id)
         data = self._bytes_of(entry, handle)
         # A read buffer may start part-way into its allocation (Engine.empty); the engines keep
         # that offset a multiple of 64 bytes, so of every element size.
@@ -348,7 +334,7 @@ class Scheduler:
                 self._account(entry)
 
     def _backward_near(self, entry: Entry) -> bool:
-        fwd = self._forwards.get(entry.forward_id)
+        fwd = self.forwards.get(entry.forward_id)
         return fwd is not None and entry.unit < len(fwd.units) and fwd.units[entry.unit].prefetched
 
     def _write_failed(self, entry: Entry, exc: OffloadError) -> None:
@@ -436,7 +422,7 @@ class Scheduler:
         waited = time.perf_counter() - t0
         with self._lock:
             self._stats.io_wait_seconds += waited
-            fwd = self._forwards.get(entry.forward_id)
+            fwd = self.forwards.get(entry.forward_id)
             if fwd is not None:
                 fwd.read_wait_s += waited
                 if entry.unit < len(fwd.units):
@@ -449,7 +435,7 @@ class Scheduler:
         raises the same message without touching the drive again."""
         with self._lock:
             if entry.state is State.READING and entry.read is read:
-                fwd = self._forwards.get(entry.forward_id)
+                fwd = self.forwards.get(entry.forward_id)
                 where = fwd.units[entry.unit].name if fwd is not None and entry.unit < len(fwd.units) else f"unit {entry.unit}"
                 entry.failure = (
                     f"cannot restore a saved tensor of layer {where} "
@@ -486,7 +472,7 @@ class Scheduler:
         offloaded units (units kept in memory need no read and are not counted).
         """
         with self._lock:
-            fwd = self._forwards.get(forward_id)
+            fwd = self.forwards.get(forward_id)
             if fwd is None:
                 return
             max_bytes, max_units = self.config.prefetch_bytes, self.policy.prefetch_units
@@ -513,7 +499,7 @@ class Scheduler:
         """Autograd freed a handle (any thread). The last handle frees memory and slot."""
         entry = handle.entry
         with self._lock:
-            fwd = self._forwards.get(entry.forward_id)
+            fwd = self.forwards.get(entry.forward_id)
             if fwd is not None:
                 fwd.live_handles -= 1
             entry.handles -= 1
@@ -569,7 +555,7 @@ class Scheduler:
         s.peak_kept_bytes = max(s.peak_kept_bytes, self._held["kept"])
         s.peak_writing_bytes = max(s.peak_writing_bytes, self._held["writing"])
         s.peak_loaded_bytes = max(s.peak_loaded_bytes, self._held["loaded"])
-        for fwd in self._forwards.values():
+        for fwd in self.forwards.records():
             fwd.peak_resident_bytes = max(fwd.peak_resident_bytes, s.resident_bytes)
 
     def _layer_stat(self, name: str) -> LayerStats:
@@ -578,36 +564,10 @@ class Scheduler:
             s = self._layer_stats[name] = LayerStats(name)
         return s
 
-    # ------------------------------------------------------------------ backward passes
-    def _note_backward(self, forward_id: int) -> None:
-        """The first unpack of a forward's tensor in a backward pass: finish it when the pass ends."""
+    # ------------------------------------------------------------------ profiles
+    def _observe(self, fwd: ForwardRecord) -> None:
+        """A forward's backward pass ended: its profile goes to the layer stats and the policy."""
         with self._lock:
-            fwd = self._forwards.get(forward_id)
-            if fwd is None or fwd.backward_queued:
-                return
-            fwd.backward_queued = True
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(forward_id))
-        except RuntimeError:  # unpacked outside a backward pass (e.g. grad_fn._saved_*)
-            with self._lock:
-                fwd.backward_queued = False
-
-    def _backward_done(self, forward_id: int) -> None:
-        with self._lock:
-            fwd = self._forwards.get(forward_id)
-            if fwd is None:
-                return
-            fwd.backward_queued = False
-            if not fwd.ended:
-                return  # an inner backward inside the forward (torch.autograd.grad in forward)
-        self._finish(forward_id, observe=True)
-
-    def _finish(self, forward_id: int, *, observe: bool = False) -> None:
-        """Drop a forward's bookkeeping; with ``observe``, its profile goes to the policy."""
-        with self._lock:
-            fwd = self._forwards.pop(forward_id, None)
-            if fwd is None or not observe:
-                return
             clock = fwd.clock
             if clock.cuda and not self.policy.needs_timing:
                 clock = NoTiming()  # reading CUDA events synchronises the device
@@ -678,13 +638,12 @@ class Scheduler:
         in memory; those whose bytes are only in the parent's store can no longer be restored."""
         self._lock = threading.RLock()  # another thread may have held the old one at fork
         self._written = threading.Condition(self._lock)
-        self._tls = threading.local()
+        self.forwards.after_fork(self._lock)
         self._generation += 1
         self.engine, self.store = engine, store
         self._writing.clear()
         self._reads.clear()
         self._slotted.clear()
-        self._forwards.clear()
         self._held = {"kept": 0, "writing": 0, "loaded": 0}
         self._engine_mark = engine.stats()
 
