@@ -47,7 +47,7 @@ def checksum(data: torch.Tensor) -> int:
     assert data.dtype == torch.uint8 and data.is_contiguous(), "checksum takes contiguous byte tensors"
     if data.device.type != "cpu":
         data = data.cpu()
-    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+    return xxhash.xxh3_64_intdigest(data.numpy().data)
 
 
 def _where(slot: Slot) -> str:

@@ -36,8 +36,8 @@ def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         _, name, children = best
         prefix = f"{name}." if name else ""
         return [(f"{prefix}{i}", c) for i, c in enumerate(children)]
-    children = [(n, c) for n, c in model.named_children() if _num_params(c)]
-    return children if len(children) >= 2 else []
+    named = [(n, c) for n, c in model.named_children() if _num_params(c)]
+    return named if len(named) >= 2 else []
 
 
 def resolve_layers(model: nn.Module, layers: Sequence[nn.Module | str] | None) -> list[tuple[str, nn.Module]]:

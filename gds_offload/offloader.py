@@ -147,7 +147,7 @@ class Offloader:
         # (KeyboardInterrupt, SystemExit): this guard pops the hooks then. See _InterruptGuard.
         self._guard = _InterruptGuard(model.forward, self._abort_forward)
         self._had_forward_attr = "forward" in model.__dict__
-        model.forward = self._guard  # type: ignore[method-assign]
+        model.forward = self._guard
         model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
         self._pid = os.getpid()
         _LIVE.add(self)
@@ -329,7 +329,7 @@ class Offloader:
         model = self._model_ref()
         if model is not None and model.__dict__.get("forward") is self._guard:
             if self._had_forward_attr:
-                model.forward = self._guard.forward  # type: ignore[method-assign]
+                model.forward = self._guard.forward
             else:
                 del model.forward
         self.scheduler.wait_inflight()

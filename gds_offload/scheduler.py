@@ -26,6 +26,7 @@ a condition of that lock (which releases it).
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -206,7 +207,7 @@ class Scheduler:
         data = self._bytes_of(entry, handle)
         # A read buffer may start part-way into its allocation (Engine.empty); the engines keep
         # that offset a multiple of 64 bytes, so of every element size.
-        start, rest = divmod(data.storage_offset(), handle.dtype.itemsize)
+        start, rest = divmod(int(data.storage_offset()), handle.dtype.itemsize)
         assert rest == 0, f"read buffer at byte {data.storage_offset()} is not aligned for {handle.dtype}"
         out = torch.empty(0, dtype=handle.dtype, device=data.device).set_(
             data.untyped_storage(), start + handle.offset, handle.size, handle.stride
@@ -279,7 +280,7 @@ class Scheduler:
         assert entry.data is not None, "a WRITING entry holds its source"
         future = self.engine.write(entry.data, entry.slot, ready=_cuda_ready(entry.device))
         entry.write = future
-        future.add_done_callback(lambda f, e=entry: self._on_written(e, f))
+        future.add_done_callback(functools.partial(self._on_written, entry))
 
     def _window(self) -> int:
         if self.config.write_window_bytes is not None:
@@ -520,9 +521,9 @@ class Scheduler:
                 entry.read = None
                 self._free_slot(entry)
             else:
-                read.add_done_callback(lambda _f, e=entry: self._free_slot_locked(e))
+                read.add_done_callback(functools.partial(self._free_slot_after_read, entry))
 
-    def _free_slot_locked(self, entry: Entry) -> None:
+    def _free_slot_after_read(self, entry: Entry, _read: IOFuture) -> None:
         with self._lock:
             entry.read = None
             self._free_slot(entry)

@@ -167,8 +167,11 @@ class KvikIOEngine(PageSpanEngine):
         # A buffer from elsewhere: read the pages into one of ours, then copy the bytes out.
         tmp = empty_like_head(total, head, self._buffers)
 
+        pages = own_pages(tmp)
+        assert pages is not None, "empty_like_head returns a buffer of whole pages"
+
         def via_tmp() -> int:
-            self._transfer("read", own_pages(tmp), total, slot, ready)
+            self._transfer("read", pages, total, slot, ready)
             dst.copy_(tmp)
             return total
 

@@ -75,8 +75,10 @@ class PosixEngine(PageSpanEngine):
         span = self._write_span(src, slot)  # zero-copy: see gds_offload.io.pages
         if span is None:
             return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_chunk(src, lo, n, slot))
-        # The closures hold src/dst: a span does not keep its tensor's memory alive.
-        return self._split("write", len(span), src.numel(), ready, slot, lambda lo, n, _src=src: self._pwrite_all(fd, span[lo : lo + n], base + lo))
+        def write_span(lo: int, n: int, _src: torch.Tensor = src) -> None:  # _src: a span does not keep its memory alive
+            self._pwrite_all(fd, span[lo : lo + n], base + lo)
+
+        return self._split("write", len(span), src.numel(), ready, slot, write_span)
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fd, base, total = slot.file.fd, slot.offset, dst.numel()
@@ -85,9 +87,11 @@ class PosixEngine(PageSpanEngine):
             # Through the bounce buffers; the bytes start ``head`` into the slot.
             return self._split("read", align_up(head + total), total, ready, slot, lambda lo, n: self._read_chunk(dst, lo, n, slot, head))
         end = head + total  # bytes of the span past this are not data, and may lie past a truncated file's end
-        return self._split(
-            "read", len(span), total, ready, slot, lambda lo, n, _dst=dst: self._pread_all(fd, span[lo : lo + n], base + lo, need=min(n, end - lo))
-        )
+
+        def read_span(lo: int, n: int, _dst: torch.Tensor = dst) -> None:  # _dst: a span does not keep its memory alive
+            self._pread_all(fd, span[lo : lo + n], base + lo, need=min(n, end - lo))
+
+        return self._split("read", len(span), total, ready, slot, read_span)
 
     def _split(
         self, kind: Direction, length: int, total: int, ready: Any, slot: Slot, move: Callable[[int, int], None]
@@ -146,7 +150,7 @@ class PosixEngine(PageSpanEngine):
             tensor[:n].copy_(src[lo : lo + n])
             data = view[: align_up(n)] if f.direct else view[:n]
         else:
-            data = memoryview(src[lo : lo + n].numpy())
+            data = src[lo : lo + n].numpy().data
         self._pwrite_all(f.fd, data, slot.offset + lo)
 
     def _read_chunk(self, dst: torch.Tensor, lo: int, n: int, slot: Slot, head: int) -> None:
@@ -160,7 +164,7 @@ class PosixEngine(PageSpanEngine):
             self._pread_all(f.fd, view[: align_up(n) if f.direct else n], slot.offset + lo, need=last - lo)
             dst[first - head : last - head].copy_(tensor[first - lo : last - lo])
         else:
-            self._pread_all(f.fd, memoryview(dst[first - head : last - head].numpy()), slot.offset + first, need=last - first)
+            self._pread_all(f.fd, dst[first - head : last - head].numpy().data, slot.offset + first, need=last - first)
 
     def _pwrite_all(self, fd: int, data: memoryview, offset: int) -> None:
         done = 0

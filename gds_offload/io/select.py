@@ -109,7 +109,7 @@ def make_engine(
     limiter = TokenBucket(max_bandwidth) if max_bandwidth else None
     if engine in ("gds", "compat"):
         kw = {"num_threads": num_threads} if num_threads else {}
-        return KvikIOEngine(engine, limiter=limiter, **kw)  # type: ignore[arg-type]
+        return KvikIOEngine(engine, limiter=limiter, **kw)
     if engine == "posix":
         return PosixEngine(limiter=limiter, **({"num_threads": num_threads} if num_threads else {}))
     if engine == "host":
