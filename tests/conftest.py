@@ -2,8 +2,8 @@
 
 Fixtures:
     spill_dir: a private (0700) directory on the real disk, removed afterwards.
-    engine_modes / engine_mode: parametrize a test over the engines that run here
-        (posix; compat when KvikIO is usable; host). ``engine_mode`` is an alias.
+    engine_modes: parametrize a test over the engines that run here
+        (posix; compat when KvikIO is usable; host).
     engine_and_store: ``(engine, store)`` for the current ``engine_modes`` value.
     cuda_device: ``torch.device("cuda")``, or a skip naming the missing GPU.
 
@@ -101,12 +101,6 @@ def spill_dir() -> Iterator[Path]:
 def engine_modes(request: pytest.FixtureRequest) -> str:
     """One engine name per test instance: posix, compat (if KvikIO is usable), host."""
     return request.param
-
-
-@pytest.fixture
-def engine_mode(engine_modes: str) -> str:
-    """Alias of :func:`engine_modes`."""
-    return engine_modes
 
 
 @pytest.fixture

@@ -154,9 +154,7 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 #: over 1 GiB of activations (1.17 GiB offloaded; the last layer, LM head and loss stay;
 #: ``gds-offload demo`` prints the measured figures) and takes about 6 s without offloading.
 #: The width matters on a CPU: moving a byte costs CPU time that compute would otherwise
-#: use (``scripts/io_floor.py`` measures it), and compute per saved byte grows with the width
-#: (hidden 384, batch 8 saves as much per step at half the compute; the README compares
-#: the two). ``cuda`` is a starting point for one large GPU, not measured by this project
+#: use, and compute per saved byte grows with the width. ``cuda`` is a starting point for one large GPU, not measured by this project
 #: yet: override with ``--layers/--hidden/...``.
 DEMO_PRESETS: dict[str, tuple[GPTConfig, int]] = {
     "cpu": (GPTConfig(layers=12, hidden=768, heads=12, seq=512, vocab=4096, dropout=0.1), 4),

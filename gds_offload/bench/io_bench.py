@@ -4,7 +4,7 @@
 :func:`measure_engine` pushes tensors through an engine into a :class:`~gds_offload.store.SpillStore`
 the way the scheduler does (byte views, every write submitted before any is waited on,
 then every read), and checks the bytes that come back. :func:`run_bench` runs both over
-engines, tensor sizes and thread counts; ``gds-offload bench-io`` and ``scripts/bench_io.py``
+engines, tensor sizes and thread counts; ``gds-offload bench-io``
 render its :class:`IOBenchReport`.
 
 Page cache: a bandwidth read from memory is not a drive's. :func:`measure_engine` asks

@@ -17,10 +17,8 @@ moves the *pages that contain the bytes*, straight from and into the tensor's me
   4 KiB read back, every step), on the cores that run the model.
 
 The pool's buffers are backed by transparent huge pages where the kernel allows it
-(:func:`map_anonymous`). On a virtual machine's disk, an ``O_DIRECT`` transfer costs the
-cores running the model more per 4 KiB segment than per byte: moving 200 MB/s each way
-through 2 MiB pages cost a matrix-multiply loop about half what it cost through 4 KiB
-pages (``python scripts/io_pages.py``, figures in the README).
+(:func:`map_anonymous`): on virtual disks an ``O_DIRECT`` transfer costs the cores per
+4 KiB segment more than per byte, so huge pages leave more of the cores to the model.
 
 A slot must hold the span: up to one page more than the tensor (:func:`span_bytes`).
 """
