@@ -212,6 +212,10 @@ class Scheduler:
         out = torch.empty(0, dtype=handle.dtype, device=data.device).set_(
             data.untyped_storage(), start + handle.offset, handle.size, handle.stride
         )
+        if data.is_cuda:
+            # The buffer may have been allocated on another stream (a prefetch, or detach() on
+            # the caller's): the allocator must not reuse it before backward's kernels ran.
+            data.record_stream(torch.cuda.current_stream(data.device))
         with self._lock:
             if not handle.unpacked:
                 handle.unpacked = True
