@@ -13,6 +13,12 @@ Hooks installed (all removed by :meth:`Offloader.detach`):
   ``always_call`` hook above does not run for ``KeyboardInterrupt``/``SystemExit``, the
   guard pops the hooks then.
 
+Each thread has its own forward state (depth, hooks context, pauses), so threads may
+train one attached model at once. The root pre-hook is transactional: if entering the
+hooks or starting the forward raises (hooks disabled by the caller or by ``torch.func``),
+nothing has changed. The first forward in a process forked after ``attach()`` gives the
+child its own spill store and engine (see :meth:`Offloader._after_fork`).
+
 At interpreter exit, attached offloaders drop their queued transfers (exit never waits
 for a write backlog; the unnamed spill files vanish with the process).
 
