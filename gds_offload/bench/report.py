@@ -37,6 +37,9 @@ METHOD = """\
   come from `Offloader.stats()`.
 * **Exactness.** Every mode's losses and final weights are compared bit for bit with
   `keep`'s; a mode that differs across processes is re-checked in one process.
+* **Load.** Each run records the machine's load average at its start and end. On a
+  machine shared with other work, step-time ratios move with that load; memory ratios and
+  exactness do not.
 """
 
 
@@ -97,6 +100,14 @@ def _machine_line(m: dict[str, Any] | None) -> str:
         m.get("os"),
     ]
     return "; ".join(p for p in parts if p)
+
+
+def _load_line(load: dict[str, list[float]] | None) -> str:
+    """The 1-minute load average at the start and end of the run: other work on the machine
+    moves step times (not memory, not exactness)."""
+    if not load:
+        return ""
+    return f"; load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end"
 
 
 def _ratio(x: float | None) -> str:
@@ -172,7 +183,7 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
     lines += [
         f"* command: `{doc['command']}`",
         f"* commit: `{doc.get('commit') or 'not recorded'}`; started {doc.get('started', '?')}; wall {doc.get('wall_s', 0):.0f} s",
-        f"* machine: {_machine_line(doc.get('machine'))}",
+        f"* machine: {_machine_line(doc.get('machine'))}" + _load_line(doc.get("load_average")),
         f"* results: [`{section.path.name}`]({os.path.relpath(section.path, page_dir)})",
         "",
     ]

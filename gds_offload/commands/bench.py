@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -345,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     console = Console(stderr=True)
     started = time.time()
+    load_before = os.getloadavg()
     if args.json:
         results = run_modes(base, modes, timeout_s=args.timeout, rounds=args.rounds)
     else:
@@ -366,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,
+        # Other work on the machine moves step times (not memory or exactness): recorded with them.
+        "load_average": {"start": list(load_before), "end": list(os.getloadavg())},
         "spec": asdict(base) | {"mode": None, "progress": None},
         "modes": modes,
         "machine": describe_machine(base.path).as_dict(),
