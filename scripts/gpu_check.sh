@@ -3,15 +3,15 @@
 #
 # Usage: scripts/gpu_check.sh [--dry-run] OUTDIR
 #
-# Parts, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 450 s, so
-# the whole run stays under 8 minutes on one H200):
+# Parts, each with its own time limit (LIMIT_* below; they add up to GPU_CHECK_BUDGET_S,
+# default 450 s, so the whole run stays under 8 minutes on one H200):
 #   env      nvidia-smi and versions                       -> OUTDIR/nvidia-smi.txt
 #   install  missing packages from wheels in $GDS_WHEELS   -> OUTDIR/install.log
 #            (pip install --no-index --find-links "$GDS_WHEELS" ...; nothing is downloaded)
 #   pytest   the GPU-marked tests: pytest -m "gpu or gds"   -> OUTDIR/pytest.log, pytest.xml
 #   check    gds-check --json (with bandwidth)             -> OUTDIR/gds-check.json
-#   bench    python -m gds_offload.cli bench --device cuda --out OUTDIR/bench.json
-#            (an "unknown command" answer is recorded, not fatal)
+#   bench    python -m gds_offload.cli bench --device cuda (a small explicit GPT, see BENCH)
+#            --out OUTDIR/bench.json
 # and one summary, OUTDIR/gpu_check.json: nvidia-smi output, versions, and each part's
 # command, exit code and duration.
 #
@@ -57,8 +57,16 @@ export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-$OUTDIR/cufile.log}"
 
 log() { echo "gpu_check: $*" >&2; }
 
-# Every part gets its own limit, and none runs past the whole script's deadline.
-DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-450} ))
+# Every part gets its own limit, and none runs past the whole script's deadline. The limits
+# add up to the budget by construction (checked here, and by the dry run's summary).
+LIMIT_SMI=10 LIMIT_INSTALL=90 LIMIT_PYTEST=150 LIMIT_CHECK=50 LIMIT_BENCH=150
+BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+PART_LIMITS_S=$(( LIMIT_SMI + LIMIT_INSTALL + LIMIT_PYTEST + LIMIT_CHECK + LIMIT_BENCH ))
+if [ "$PART_LIMITS_S" -gt "$BUDGET_S" ]; then
+    echo "gpu_check: the part limits add up to ${PART_LIMITS_S}s, over the ${BUDGET_S}s budget" >&2
+    exit 64
+fi
+DEADLINE=$(( $(date +%s) + BUDGET_S ))
 
 # run_part NAME LIMIT_S LOGFILE CMD... : run one part under `timeout` and record
 # "name<TAB>rc<TAB>milliseconds<TAB>status<TAB>log<TAB>command" in $PARTS. stdout and stderr
@@ -108,7 +116,7 @@ if command -v nvidia-smi > /dev/null; then
     if [ "$DRY_RUN" = 1 ]; then
         skip_part nvidia-smi nvidia-smi
     else
-        run_part nvidia-smi 20 "$OUTDIR/nvidia-smi.txt" nvidia-smi
+        run_part nvidia-smi "$LIMIT_SMI" "$OUTDIR/nvidia-smi.txt" nvidia-smi
         nvidia-smi --query-gpu=index,name,memory.total,driver_version,pci.bus_id --format=csv \
             >> "$OUTDIR/nvidia-smi.txt" 2>&1
     fi
@@ -117,6 +125,31 @@ else
     printf 'nvidia-smi\t127\t0\tnot found\t%s\tnvidia-smi\n' "$OUTDIR/nvidia-smi.txt" >> "$PARTS"
 fi
 
+
+# ---- install --------------------------------------------------------------------------
+# Packages this project needs, as "import-name:distribution". kvikio/cupy follow torch's CUDA major.
+CUDA_MAJOR=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null || echo 12)
+NEEDED="kvikio:kvikio-cu${CUDA_MAJOR} cupy:cupy-cuda${CUDA_MAJOR}x rich:rich xxhash:xxhash numpy:numpy pytest:pytest"
+MISSING=()
+for pair in $NEEDED; do
+    "$PY" -c "import ${pair%%:*}" > /dev/null 2>&1 || MISSING+=("${pair#*:}")
+done
+if [ "${#MISSING[@]}" -eq 0 ]; then
+    printf 'install\t0\t0\tnothing missing\t\t\n' >> "$PARTS"
+elif [ -z "${GDS_WHEELS:-}" ]; then
+    log "missing ${MISSING[*]} and GDS_WHEELS is not set; their tests will skip"
+    printf 'install\t\t0\tmissing %s; GDS_WHEELS not set\t\t\n' "${MISSING[*]}" >> "$PARTS"
+elif [ "$DRY_RUN" = 1 ]; then
+    skip_part install "$PY" -m pip install --no-index --find-links "$GDS_WHEELS" -c "$OUTDIR/constraints.txt" "${MISSING[@]}"
+else
+    # kvikio-cuNN pulls cupy and cuda-toolkit pins that could replace torch's own CUDA
+    # libraries: everything already installed stays at its version.
+    "$PY" -m pip freeze 2>/dev/null | grep -E '^[A-Za-z0-9_.-]+==' > "$OUTDIR/constraints.txt"
+    run_part install "$LIMIT_INSTALL" "$OUTDIR/install.log" \
+        "$PY" -m pip install -q --no-index --find-links "$GDS_WHEELS" -c "$OUTDIR/constraints.txt" "${MISSING[@]}"
+fi
+
+# ---- versions (after the install, so they are what the tests run with) -----------------
 "$PY" - > "$OUTDIR/versions.json" 2>> "$OUTDIR/versions.err" <<'EOF'
 import importlib, json, platform, sys
 out = {"python": sys.version.split()[0], "platform": platform.platform()}
@@ -141,33 +174,13 @@ except Exception as exc:
 print(json.dumps(out))
 EOF
 
-# ---- install --------------------------------------------------------------------------
-# Packages this project needs, as "import-name:distribution". kvikio/cupy follow torch's CUDA major.
-CUDA_MAJOR=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null || echo 12)
-NEEDED="kvikio:kvikio-cu${CUDA_MAJOR} cupy:cupy-cuda${CUDA_MAJOR}x rich:rich xxhash:xxhash numpy:numpy pytest:pytest"
-MISSING=()
-for pair in $NEEDED; do
-    "$PY" -c "import ${pair%%:*}" > /dev/null 2>&1 || MISSING+=("${pair#*:}")
-done
-if [ "${#MISSING[@]}" -eq 0 ]; then
-    printf 'install\t0\t0\tnothing missing\t\t\n' >> "$PARTS"
-elif [ -z "${GDS_WHEELS:-}" ]; then
-    log "missing ${MISSING[*]} and GDS_WHEELS is not set; their tests will skip"
-    printf 'install\t\t0\tmissing %s; GDS_WHEELS not set\t\t\n' "${MISSING[*]}" >> "$PARTS"
-elif [ "$DRY_RUN" = 1 ]; then
-    skip_part install "$PY" -m pip install --no-index --find-links "$GDS_WHEELS" "${MISSING[@]}"
-else
-    run_part install 60 "$OUTDIR/install.log" \
-        "$PY" -m pip install -q --no-index --find-links "$GDS_WHEELS" "${MISSING[@]}"
-fi
-
 # ---- pytest (GPU-marked tests) -----------------------------------------------------------
 if [ "$DRY_RUN" = 1 ]; then
     run_part pytest-collect 120 "$OUTDIR/pytest-collect.log" \
         "$PY" -m pytest --collect-only -q -m "gpu or gds" -p no:cacheprovider
     skip_part pytest "$PY" -m pytest -m "gpu or gds" -q -p no:cacheprovider --junitxml "$OUTDIR/pytest.xml"
 else
-    run_part pytest 150 "$OUTDIR/pytest.log" \
+    run_part pytest "$LIMIT_PYTEST" "$OUTDIR/pytest.log" \
         "$PY" -m pytest -m "gpu or gds" -q -p no:cacheprovider --junitxml "$OUTDIR/pytest.xml"
 fi
 
@@ -182,7 +195,7 @@ else
     CHECK_NAME=gds-check
 fi
 # stdout is the JSON document; stderr (progress bar, warnings) goes to gds-check.log.
-PART_STDOUT="$OUTDIR/gds-check.json" run_part "$CHECK_NAME" 60 "$OUTDIR/gds-check.log" \
+PART_STDOUT="$OUTDIR/gds-check.json" run_part "$CHECK_NAME" "$LIMIT_CHECK" "$OUTDIR/gds-check.log" \
     "$PY" -m gds_offload.check.cli "${CHECK_ARGS[@]}"
 "$PY" - "$OUTDIR/gds-check.json" "$OUTDIR/gds-check.log" <<'EOF'
 import json, sys
@@ -196,11 +209,19 @@ except (OSError, ValueError):  # keep the file valid JSON, with what went wrong
 EOF
 
 # ---- training benchmark --------------------------------------------------------------------
-BENCH=("$PY" -m gds_offload.cli bench --device cuda --out "$OUTDIR/bench.json")
+# A small explicit model, so that every mode finishes inside the part's limit: GPT, 8 layers,
+# hidden 1024, 16 heads, sequence 512, batch 4 (about 2 GiB saved per step in fp32), 1
+# warm-up and 3 measured steps per mode, each mode in its own process.
+BENCH=("$PY" -m gds_offload.cli bench --device cuda --layers 8 --hidden 1024 --heads 16 --seq 512 --batch 4
+       --vocab 8192 --warmup 1 --steps 3 --modes "keep,offload:gds,offload:compat,offload:host,recompute"
+       --timeout 40 --out "$OUTDIR/bench.json")
 if [ "$DRY_RUN" = 1 ]; then
+    # Parse the bench's arguments as the real run would, without starting it.
+    run_part bench-args 20 "$OUTDIR/bench-args.log" "$PY" -c \
+        'import sys; from gds_offload.cli import build_parser; build_parser().parse_args(sys.argv[1:])' "${BENCH[@]:3}"
     skip_part bench "${BENCH[@]}"
 else
-    run_part bench 150 "$OUTDIR/bench.log" "${BENCH[@]}"
+    run_part bench "$LIMIT_BENCH" "$OUTDIR/bench.log" "${BENCH[@]}"
     if grep -qiE "invalid choice|unknown command" "$OUTDIR/bench.log"; then
         # The subcommand is not in this version: record it and go on.
         sed -i -E 's/^(bench\t[0-9]+\t[^\t]*\t)[^\t]*/\1unknown command/' "$PARTS"
@@ -208,9 +229,10 @@ else
 fi
 
 # ---- summary ---------------------------------------------------------------------------
-"$PY" - "$OUTDIR" "$PARTS" "$DRY_RUN" <<'EOF'
+"$PY" - "$OUTDIR" "$PARTS" "$DRY_RUN" "$BUDGET_S" "$PART_LIMITS_S" <<'EOF'
 import json, os, sys, time
 outdir, parts_file, dry_run = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+budget_s, part_limits_s = int(sys.argv[4]), int(sys.argv[5])
 def read(name):
     try:
         return open(os.path.join(outdir, name), encoding="utf-8", errors="replace").read()
@@ -250,6 +272,8 @@ summary = {
     "parts": parts,
     "failed": failed,
     "gds_check_verdict": (json.loads(read("gds-check.json") or "{}") or {}).get("verdict"),
+    "budget_s": budget_s,
+    "part_limits_s": part_limits_s,
 }
 with open(os.path.join(outdir, "gpu_check.json"), "w") as fh:
     json.dump(summary, fh, indent=2)

@@ -267,7 +267,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert parts["gds-check-no-bench"]["duration_s"] is not None
     for name in ("pytest", "gds-check", "bench"):
         assert parts[name]["status"] == "skipped (dry run)" and parts[name]["exit_code"] is None
-    assert "bench --device cuda --out" in parts["bench"]["command"]
+    assert "bench --device cuda --layers 8" in parts["bench"]["command"]
+    assert parts["bench-args"]["exit_code"] == 0, "the bench's arguments parse as the real run would"
+    assert summary["part_limits_s"] <= summary["budget_s"], "the part limits fit the budget by construction"
+    assert summary["versions"].get("gds_offload"), "versions are read after the install step, from the package"
     assert "-m gpu\\ or\\ gds" in parts["pytest"]["command"]
     doc = json.loads((out / "gds-check.json").read_text())
     assert schema_errors(doc, JSON_SCHEMA) == []
