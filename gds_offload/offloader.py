@@ -16,6 +16,15 @@ Hooks installed (all removed by :meth:`Offloader.detach`):
 At interpreter exit, attached offloaders drop their queued transfers (exit never waits
 for a write backlog; the unnamed spill files vanish with the process).
 
+.. note:: Who keeps what alive
+   The model holds the offloader (its hooks and forward guard), and so does a forward's graph
+   (the backward pre-hooks on its outputs), so backward still works after the model is
+   dropped. The offloader holds the model through its forward guard (a cycle the collector
+   frees); ``model._gds_offloader`` is a weak reference. The engine and the spill store are
+   released by a ``weakref.finalize`` on the offloader whose callback holds them, not the
+   offloader: a model dropped without ``detach()`` gives back its threads, descriptors and
+   disk space when the collector frees it.
+
 .. warning:: ``copy.deepcopy`` of an attached model fails (its hooks reference the
    offloader, which holds locks): copy the model before ``attach()`` or after ``detach()``.
 """
@@ -138,6 +147,22 @@ class Offloader:
         self._tls = threading.local()
         self._handles: list[RemovableHandle] = []
         self._attached = True
+        # The engine's threads and the spill file live as long as this offloader, no longer: a
+        # model dropped without detach() releases them when the collector frees the offloader.
+        # See the note on ownership in the module doc; the callback must not reference self.
+        self._finalizer = _release_finalizer(self, engine, store)
+        self._had_forward_attr = "forward" in model.__dict__
+        try:
+            self._register(model, layers)
+        except BaseException:
+            self._unregister(model)
+            self._finalizer.detach()
+            _release(engine, store)
+            raise
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    def _register(self, model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> None:
         self._handles.append(model.register_forward_pre_hook(self._root_pre))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         for name, layer in layers:
@@ -146,11 +171,30 @@ class Offloader:
         # always_call forward hooks do not run when forward is left by a BaseException
         # (KeyboardInterrupt, SystemExit): this guard pops the hooks then. See _InterruptGuard.
         self._guard = _InterruptGuard(model.forward, self._abort_forward)
-        self._had_forward_attr = "forward" in model.__dict__
         model.forward = self._guard  # type: ignore[method-assign]
         model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
-        self._pid = os.getpid()
-        _LIVE.add(self)
+
+    def _unregister(self, model: nn.Module | None) -> None:
+        """Undo :meth:`_register` (whatever part of it ran): hooks, the forward guard, the back-reference."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        guard = getattr(self, "_guard", None)
+        if model is None:
+            return
+        if guard is not None and model.__dict__.get("forward") is guard:
+            if self._had_forward_attr:
+                model.forward = guard.forward  # type: ignore[method-assign]
+            else:
+                del model.forward
+        ref = getattr(model, "_gds_offloader", None)
+        if isinstance(ref, weakref.ref) and ref() in (self, None):
+            # Modules that store attributes elsewhere (jit wrappers) may refuse ``del``: overwrite then.
+            try:
+                del model._gds_offloader
+            except AttributeError:
+                with contextlib.suppress(AttributeError, TypeError):
+                    model._gds_offloader = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ hooks
     def _thread(self) -> _ThreadState:
@@ -239,7 +283,9 @@ class Offloader:
         self.store.forget()  # the child's copies of the descriptors; the parent's stay open
         engine = make_engine(name, max_bandwidth=self.config.max_bandwidth, num_threads=self.config.num_threads)  # type: ignore[arg-type]
         store = SpillStore(list(self.config.paths) if engine.needs_files else [])
+        self._finalizer.detach()  # the parent's engine and store are the parent's to release
         self.engine, self.store = engine, store
+        self._finalizer = _release_finalizer(self, engine, store)
         self._stats.engine = engine.name
         self.scheduler.after_fork(engine, store)
 
@@ -320,25 +366,17 @@ class Offloader:
         if not self._attached:
             return
         self._attached = False
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         st = self._thread()
         if st.depth:  # detach() called from inside forward
             self._leave_forward(st)
         model = self._model_ref()
-        if model is not None and model.__dict__.get("forward") is self._guard:
-            if self._had_forward_attr:
-                model.forward = self._guard.forward  # type: ignore[method-assign]
-            else:
-                del model.forward
+        self._unregister(model)
         self.scheduler.wait_inflight()
         self.scheduler.materialize_all()
+        self._finalizer.detach()
         self.engine.close()
         self.store.close()
         _LIVE.discard(self)
-        if model is not None and getattr(model, "_gds_offloader", None) is not None:
-            del model._gds_offloader
 
     def _close_at_exit(self) -> None:
         """Interpreter exit: cancel queued transfers so exit never waits for a write backlog (the
@@ -422,6 +460,13 @@ def attach(
         raise ConfigError(
             "attach() got a torch.compile'd module; saved-tensor hooks do not run inside compiled graphs. "
             "Attach to the uncompiled model (model._orig_mod), or compile only submodules inside its layers"
+        )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ConfigError(
+            f"attach() got a TorchScript module ({type(model).__name__}, from torch.jit.script or torch.jit.trace); "
+            "TorchScript runs forward as one graph, so the per-layer hooks the offloader plans by cannot be "
+            "registered (script) or never run (trace). Offload the eager model: attach to the eager module, "
+            "before scripting or tracing it"
         )
     existing = getattr(model, "_gds_offloader", None)
     if existing is not None and existing() is not None and existing().attached:
@@ -508,6 +553,32 @@ class _InterruptGuard:
 
 def _unguarded(forward: Any) -> Any:
     return forward
+
+
+def _release_finalizer(owner: Offloader, engine: Engine, store: SpillStore) -> weakref.finalize:
+    """Close ``engine`` and ``store`` when ``owner`` is collected (never at interpreter exit:
+    the process's descriptors close with it, and exit must not wait for a write backlog)."""
+    fin = weakref.finalize(owner, _release_from_gc, engine, store)
+    fin.atexit = False
+    return fin
+
+
+def _release(engine: Engine, store: SpillStore) -> None:
+    """Wait for the engine's transfers, stop its threads, then close (and so delete) the spill files."""
+    try:
+        engine.close()
+    finally:
+        store.close()
+
+
+def _release_from_gc(engine: Engine, store: SpillStore) -> None:
+    """:func:`_release` for an offloader the collector freed. The collector may run on any
+    thread, an engine worker included, which cannot join its own pool: off the main thread
+    the release runs on a short-lived thread of its own."""
+    if threading.current_thread() is threading.main_thread():
+        _release(engine, store)
+    else:
+        threading.Thread(target=_release, args=(engine, store), name="gds_offload-release", daemon=True).start()
 
 
 #: Attached offloaders, stopped at interpreter exit.
