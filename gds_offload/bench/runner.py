@@ -78,6 +78,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
+from gds_offload.bench.children import die_with_parent, reap, spawn
+
 __all__ = [
     "RunSpec",
     "RunResult",
@@ -352,34 +354,25 @@ def run_mode(
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     except OSError as exc:
         return RunResult(spec.mode, "error", f"cannot start {cmd[0]}: {exc}", spec.model, spec.device)
-    err_tail: collections.deque[str] = collections.deque(maxlen=40)
-    reader = threading.Thread(target=lambda: err_tail.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    timed_out = threading.Event()
     timer = None
-    if timeout_s:
-        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
-        timer.daemon = True
-        timer.start()
-    result: dict[str, Any] | None = None
-    assert proc.stdout is not None, "stdout is a pipe"
-    for line in proc.stdout:
-        if not line.startswith(EVENT_PREFIX):
-            continue
-        try:
-            event = json.loads(line[len(EVENT_PREFIX) :])
-        except json.JSONDecodeError:
-            continue
-        if event.get("event") == "result":
-            result = event
-        elif on_event is not None:
-            on_event(event)
-    rc = proc.wait()
-    if timer is not None:
-        timer.cancel()
+    try:
+        err_tail: collections.deque[str] = collections.deque(maxlen=40)
+        reader = threading.Thread(target=lambda: err_tail.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        timed_out = threading.Event()
+        if timeout_s:
+            timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
+            timer.daemon = True
+            timer.start()
+        result = _read_events(proc, on_event)
+        rc = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        reap(proc)  # a no-op after wait(); on an exception (a stop signal) it stops the child first
     reader.join(timeout=5)
     wall = time.perf_counter() - t0
     if result is not None:
@@ -398,6 +391,24 @@ def run_mode(
     tail = "".join(err_tail).strip().splitlines()[-3:]
     detail = f"{why}: {' | '.join(tail)}" if tail else why
     return RunResult(spec.mode, "error", detail, spec.model, spec.device, spec.tokens_per_step, wall_s=wall, returncode=rc)
+
+
+def _read_events(proc: subprocess.Popen[str], on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any] | None:
+    """Pass the child's progress events to ``on_event`` until its stdout ends; return its result event."""
+    result: dict[str, Any] | None = None
+    assert proc.stdout is not None, "stdout is a pipe"
+    for line in proc.stdout:
+        if not line.startswith(EVENT_PREFIX):
+            continue
+        try:
+            event = json.loads(line[len(EVENT_PREFIX) :])
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "result":
+            result = event
+        elif on_event is not None:
+            on_event(event)
+    return result
 
 
 # ---------------------------------------------------------------------- child side
@@ -775,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gds_offload.bench.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
     args = parser.parse_args(argv)
+    die_with_parent()
     spec = RunSpec.from_json(args.spec)
     t0 = time.perf_counter()
     try:

@@ -192,13 +192,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments (``sys.argv[1:]`` when None).
 
     Returns:
-        0 ``gds``, 1 ``compat``, 2 ``unusable`` (3 on usage errors, through ``SystemExit``).
+        0 ``gds``, 1 ``compat``, 2 ``unusable`` (3 on usage errors, through ``SystemExit``);
+        128 + the signal number when stopped (130: Ctrl-C), after one line on stderr.
     """
+    args = build_parser().parse_args(argv)
+    import signal
+
+    from gds_offload.bench.children import Terminated, stop_signals
+    from gds_offload.cli import stopped
+
+    try:
+        with stop_signals():
+            return _run(args)
+    except KeyboardInterrupt:
+        return stopped("gds-check", signal.SIGINT)
+    except Terminated as exc:
+        return stopped("gds-check", exc.signum)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gds_offload._version import __version__
 
-    args = build_parser().parse_args(argv)
     env = os.environ
     paths = [Path(p) for p in args.path] or [default_spill_dir(env)]
     report = collect_node(paths, root=args.root, env=env, probe_driver=not args.no_driver_probe,
