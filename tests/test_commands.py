@@ -157,3 +157,26 @@ def test_ctrl_c_in_gds_check_is_one_line_and_exit_130(monkeypatch, capsys) -> No
     assert check_cli.main(["--no-bench"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "gds-check" in err and "interrupted" in err, err
+
+
+# ---------------------------------------------------------------------------- demo output
+@pytest.mark.parametrize("steps", [1, 3])
+def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, capsys) -> None:
+    """An odd count runs: its last measured step is offloaded and unpaired (before: ``--steps 3``
+    was refused with "use an even number")."""
+    rc = main(["demo", *TINY_ARGS, "--steps", str(steps), "--mode", "posix", "--path", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    pairs = steps // 2
+    assert (f"same process ({pairs} pair)" in text) == (pairs == 1), text
+    assert "even number" not in text
+
+
+def test_demo_frames_end_their_lines(tmp_path, capsys) -> None:
+    """Each run's last frame ends its line before the next run's header (before: "...┘gds-offload demo: ...")."""
+    assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    for line in text.splitlines():
+        stripped = line.rstrip()
+        assert "┘" not in stripped or stripped.endswith("┘"), line
+    assert sum(line.startswith("gds-offload demo: ") for line in text.splitlines()) == 2, text

@@ -12,7 +12,8 @@ Figures in the summary:
 * **step time**: median over the measured steps (warm-up excluded), and offload / keep.
   The offload run alternates offloaded steps with :meth:`~gds_offload.Offloader.paused`
   ones (``RunSpec(paired=True)``), so a second ratio compares steps seconds apart in one
-  process: on a shared machine it is the steadier of the two.
+  process: on a shared machine it is the steadier of the two. With an odd ``--steps`` the
+  last step is offloaded and has no partner.
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
   peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.runner`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
@@ -164,8 +165,6 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     try:
         spec = base_spec(args, device)
-        if args.steps % 2:
-            raise ConfigError(f"--steps {args.steps}: the offload run times pairs of an offloaded and a paused step; use an even number")
         offload_mode = f"adaptive:{args.mode}" if args.policy == "adaptive" else f"offload:{args.mode}"
         parse_mode(offload_mode)
     except (ConfigError, ValueError) as exc:
@@ -186,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             view.start_run(f"run {i}/{len(runs)}: {mode}")
             results.append(run_mode(replace(spec, mode=mode), on_event=view.on_event, timeout_s=args.timeout))
         view.live = None
+        if not console.is_terminal:
+            console.line()  # off a terminal, Live leaves its last frame without a line end
     by_mode = {r.mode: r for r in results}
     keep, off = by_mode.get("keep"), by_mode.get(offload_mode)
     agree = compare_losses(results).get(offload_mode) if keep is not None else None
