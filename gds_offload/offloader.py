@@ -54,10 +54,10 @@ from gds_offload.layers import resolve_layers
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
-from gds_offload.store import Slot, SpillStore, default_spill_dir
+from gds_offload.store import Origin, Slot, SpillStore, check_dir, spill_dir_origin
 from gds_offload.units import parse_bandwidth, parse_bytes
 
-__all__ = ["attach", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
+__all__ = ["attach", "make_config", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
 
 #: Storages under this size stay in memory. Measured with ``gds-offload bench-io``:
 #: below about 1 MiB per transfer the engines reach well under half of the drive's bandwidth.
@@ -81,7 +81,8 @@ class OffloadConfig:
     num_threads: int | None = None
     verify: bool = False
     write_window: int | None = None
-    default_path: bool = field(default=False, compare=False)
+    #: Where ``paths`` came from (see :func:`~gds_offload.store.check_dir`).
+    origin: Origin = field(default="path", compare=False)
 
 
 @dataclass
@@ -124,7 +125,8 @@ class Offloader:
         try:
             store = SpillStore(
                 list(config.paths) if engine.needs_files else [],
-                create_default=config.default_path,
+                create=True,
+                origin=config.origin,
             )
         except BaseException:
             engine.close()
@@ -282,7 +284,7 @@ class Offloader:
             name = "posix"
         self.store.forget()  # the child's copies of the descriptors; the parent's stay open
         engine = make_engine(name, max_bandwidth=self.config.max_bandwidth, num_threads=self.config.num_threads)  # type: ignore[arg-type]
-        store = SpillStore(list(self.config.paths) if engine.needs_files else [])
+        store = SpillStore(list(self.config.paths) if engine.needs_files else [], origin=self.config.origin)
         self._finalizer.detach()  # the parent's engine and store are the parent's to release
         self.engine, self.store = engine, store
         self._finalizer = _release_finalizer(self, engine, store)
@@ -422,8 +424,10 @@ def attach(
     Args:
         model: any ``nn.Module``. Its repeated blocks (``ModuleList``/``Sequential`` of one
             type) are found automatically; override with ``layers``.
-        path: spill directory, or a list of them (one per drive; tensors are striped).
-            Default: ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>`` (created 0700).
+        path: spill directory, or a list of them (one per drive; tensors are striped); one
+            that does not exist is created (0700, parents as needed). Default:
+            ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``, which must belong to you.
+            Every directory passes :func:`~gds_offload.store.check_dir` (as in ``gds-check``).
         mode: ``auto`` (GDS where usable, else KvikIO compat, else POSIX), ``gds``,
             ``compat``, ``posix`` or ``host``.
         policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers;
@@ -454,6 +458,16 @@ def attach(
         ConfigError: bad arguments (the message names the argument and the fix).
         GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
     """
+    _check_model(model)
+    config = make_config(
+        path=path, mode=mode, policy=policy, budget=budget, min_bytes=min_bytes, keep_last=keep_last,
+        prefetch_bytes=prefetch_bytes, max_bandwidth=max_bandwidth, on_error=on_error, num_threads=num_threads,
+        verify=verify, write_window=write_window,
+    )
+    return Offloader(model, config, resolve_layers(model, _checked_layers(layers)))
+
+
+def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
@@ -469,36 +483,111 @@ def attach(
             "before scripting or tracing it"
         )
     existing = getattr(model, "_gds_offloader", None)
-    if existing is not None and existing() is not None and existing().attached:
+    if isinstance(existing, weakref.ref) and existing() is not None and existing().attached:
         raise ConfigError("an offloader is already attached to this model; call .detach() on it first")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")
+
+
+def _checked_layers(layers: Any) -> Any:
+    """``layers=`` must be a sequence of modules or names, not one string (or other iterable)."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes, nn.Module)):
+        kind = "a module" if isinstance(layers, nn.Module) else f"a {type(layers).__name__}"
+        raise ConfigError(
+            f"layers={layers!r} is {kind}, not a list; pass a list of modules or qualified names, e.g. "
+            f"layers=[{layers!r}]" if isinstance(layers, str) else
+            f"layers={type(layers).__name__} is {kind}, not a list; pass a list of modules or qualified names, "
+            f"e.g. layers=list(model.blocks)"
+        )
+    if not isinstance(layers, Sequence):
+        raise ConfigError(
+            f"layers={layers!r} ({type(layers).__name__}) is not a list; pass a list of modules or qualified names"
+        )
+    return layers
+
+
+def _checked_paths(path: Any) -> tuple[tuple[Path, ...], Origin]:
+    """``path=`` as directories, and where they came from. Types and emptiness only; the
+    directories themselves are judged by :func:`~gds_offload.store.check_dir`."""
+    if path is None:
+        d, origin = spill_dir_origin()
+        return (d,), origin
+    items = [path] if isinstance(path, (str, bytes, os.PathLike)) else path
+    if isinstance(items, (int, float)) or not isinstance(items, Sequence):
+        raise ConfigError(
+            f"path={path!r} ({type(path).__name__}) is not a directory; pass a str or pathlib.Path, or a list of them"
+        )
+    if not items:
+        raise ConfigError("path=[] names no directory; pass a directory or a list of them")
+    out = []
+    for item in items:
+        shown = f"path={item!r}" if item is path else f"path=[..., {item!r}, ...]"
+        if isinstance(item, os.PathLike):
+            item = os.fspath(item)
+        if isinstance(item, bytes):
+            raise ConfigError(f"{shown} is bytes; pass the directory as a str or pathlib.Path (e.g. os.fsdecode(...))")
+        if not isinstance(item, str):
+            raise ConfigError(f"{shown} ({type(item).__name__}) is not a directory; pass a str or pathlib.Path")
+        if not item.strip():
+            raise ConfigError(f"{shown} is empty; pass a directory (the current directory is not assumed), or leave "
+                              "path unset for $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>")
+        if "\0" in item:
+            raise ConfigError(f"{shown} contains a NUL character; pass a real directory")
+        out.append(Path(item).expanduser())
+    return tuple(out), "path"
+
+
+def _checked_int(name: str, value: Any, *, low: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be an int >= {low} ({what})")
+    if value < low:
+        raise ConfigError(f"{name}={value!r} must be an int >= {low} ({what})")
+    return value
+
+
+def make_config(
+    *,
+    path: Any = None,
+    mode: str = "auto",
+    policy: str | Budget = "all",
+    budget: int | str | None = None,
+    min_bytes: int | str = DEFAULT_MIN_BYTES,
+    keep_last: int = 1,
+    prefetch_bytes: int | str | None = None,
+    max_bandwidth: float | str | None = None,
+    on_error: str = "fallback",
+    num_threads: int | None = None,
+    verify: bool = False,
+    write_window: int | str | None = None,
+) -> OffloadConfig:
+    """Validate :func:`attach`'s keyword arguments (all but ``model`` and ``layers``) without
+    allocating or creating anything; the commands call it before their first child starts.
+
+    Raises:
+        ConfigError: the first bad argument, with its value and the fix; a spill directory
+            :func:`~gds_offload.store.check_dir` refuses.
+    """
     validate_mode(mode)
     if budget is not None:
         if policy != "all":
             raise ConfigError(f"pass either budget={budget!r} or policy={policy!r}, not both")
         policy = Budget(budget)
-    if not isinstance(policy, Budget) and policy not in _POLICIES:
+    if not isinstance(policy, Budget) and (not isinstance(policy, str) or policy not in _POLICIES):
         hint = difflib.get_close_matches(str(policy), _POLICIES, n=1)
         raise ConfigError(
             f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)} or gds_offload.Budget('40GiB')"
             + (f" (did you mean {hint[0]!r}?)" if hint else "")
         )
-    if on_error not in ("fallback", "raise"):
+    if not isinstance(on_error, str) or on_error not in ("fallback", "raise"):
         raise ConfigError(f"on_error={on_error!r} is unknown; expected 'fallback' or 'raise'")
-    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
-        raise ConfigError(f"keep_last={keep_last!r} must be an int >= 0 (layers kept in memory at the end)")
-    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-        raise ConfigError(f"num_threads={num_threads!r} must be a positive int")
-    default_path = path is None
-    if path is None:
-        paths: tuple[Path, ...] = (default_spill_dir(),)
-    elif isinstance(path, (str, os.PathLike)):
-        paths = (Path(path),)
-    else:
-        paths = tuple(Path(p) for p in path)
-        if not paths:
-            raise ConfigError("path=[] names no directory; pass a directory or a list of them")
+    _checked_int("keep_last", keep_last, low=0, what="layers kept in memory at the end")
+    if num_threads is not None:
+        _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
+    if not isinstance(verify, bool):
+        raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
+    paths, origin = _checked_paths(path)
     config = OffloadConfig(
         paths=paths,
         mode=mode,
@@ -507,14 +596,18 @@ def attach(
         keep_last=keep_last,
         prefetch_bytes=None if prefetch_bytes is None else parse_bytes(prefetch_bytes, name="prefetch_bytes"),
         max_bandwidth=None if max_bandwidth is None else parse_bandwidth(max_bandwidth),
-        on_error=on_error,
+        on_error=on_error,  # type: ignore[arg-type]
         num_threads=num_threads,
-        verify=bool(verify),
+        verify=verify,
         write_window=None if write_window is None else parse_bytes(write_window, name="write_window"),
-        default_path=default_path,
+        origin=origin,
     )
-    return Offloader(model, config, resolve_layers(model, layers))
-
+    if mode != "host":
+        for d in paths:
+            found = check_dir(d, origin=origin)
+            if found.problem:
+                raise ConfigError(found.problem)
+    return config
 
 
 def _make_policy(config: OffloadConfig) -> Policy:
