@@ -88,12 +88,14 @@ class DirCheck:
         exists: it exists; when not, ``attach()`` creates it (mode 0700, parents as needed).
         create_under: when missing, the nearest existing ancestor (where it would be created).
         problem: the :class:`ConfigError` message ``attach()`` would raise; empty when usable.
+        fix: its last part, what to do instead.
     """
 
     path: Path
     exists: bool
     create_under: Path | None = None
     problem: str = ""
+    fix: str = ""
 
     @property
     def ok(self) -> bool:
@@ -175,19 +177,21 @@ def check_dir(path: Path | str, *, origin: Origin = "path") -> DirCheck:
         if len(os.fsencode(name)) > NAME_MAX:
             why = (f"has a name of {len(os.fsencode(name))} bytes ({name[:24]}...); the kernel accepts at most "
                    f"{NAME_MAX} bytes per name")
-            return DirCheck(path, False, problem=f"{label} {why}; {other}")
+            return DirCheck(path, False, problem=f"{label} {why}; {other}", fix=other)
     size = len(os.fsencode(os.path.abspath(path)))
     if size >= PATH_MAX:
         why = f"is {size} bytes long; the kernel accepts paths under {PATH_MAX} bytes"
-        return DirCheck(path, False, problem=f"{label} {why}; {other}")
+        return DirCheck(path, False, problem=f"{label} {why}; {other}", fix=other)
     try:
         path.lstat()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return _check_missing(path, origin)
     except OSError as exc:
-        return DirCheck(path, False, problem=f"{label} cannot be examined ({exc.strerror or exc}); {other}")
+        return DirCheck(path, False, problem=f"{label} cannot be examined ({exc.strerror or exc}); {other}", fix=other)
     refusal = _refusal(path, origin)
-    return DirCheck(path, True, problem=f"{label} {refusal[0]}; {refusal[1]}" if refusal else "")
+    if refusal is None:
+        return DirCheck(path, True)
+    return DirCheck(path, True, problem=f"{label} {refusal[0]}; {refusal[1]}", fix=refusal[1])
 
 
 def _refusal(path: Path, origin: Origin) -> tuple[str, str] | None:
@@ -237,16 +241,16 @@ def _check_missing(path: Path, origin: Origin) -> DirCheck:
         try:
             ancestor.lstat()
             break
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             ancestor = ancestor.parent
         except OSError as exc:
             return DirCheck(path, False, problem=f"{label} does not exist, and {ancestor} cannot be examined "
-                                                 f"({exc.strerror or exc}); {other}")
+                                                 f"({exc.strerror or exc}); {other}", fix=other)
     refusal = _refusal(ancestor, "path")
     if refusal is None:
         return DirCheck(path, False, ancestor)
     fix = other if "chmod" not in refusal[1] and "sticky" not in refusal[1] else f"{refusal[1].split(', or ')[0]}, or {_short(other)}"
-    return DirCheck(path, False, ancestor, problem=f"{label} does not exist and cannot be created: {ancestor} {refusal[0]}; {fix}")
+    return DirCheck(path, False, ancestor, problem=f"{label} does not exist and cannot be created: {ancestor} {refusal[0]}; {fix}", fix=fix)
 
 
 def prepare_dir(path: Path | str, *, create: bool, origin: Origin = "path") -> Path:
