@@ -508,7 +508,7 @@ def _checked_layers(layers: Any) -> Any:
     return layers
 
 
-def _checked_paths(path: Any) -> tuple[tuple[Path, ...], Origin]:
+def _checked_paths(path: Any, origin: Origin = "path") -> tuple[tuple[Path, ...], Origin]:
     """``path=`` as directories, and where they came from. Types and emptiness only; the
     directories themselves are judged by :func:`~gds_offload.store.check_dir`."""
     if path is None:
@@ -536,7 +536,7 @@ def _checked_paths(path: Any) -> tuple[tuple[Path, ...], Origin]:
         if "\0" in item:
             raise ConfigError(f"{shown} contains a NUL character; pass a real directory")
         out.append(Path(item).expanduser())
-    return tuple(out), "path"
+    return tuple(out), origin
 
 
 def _checked_int(name: str, value: Any, *, low: int, what: str) -> int:
@@ -561,9 +561,11 @@ def make_config(
     num_threads: int | None = None,
     verify: bool = False,
     write_window: int | str | None = None,
+    origin: Origin = "path",
 ) -> OffloadConfig:
     """Validate :func:`attach`'s keyword arguments (all but ``model`` and ``layers``) without
     allocating or creating anything; the commands call it before their first child starts.
+    ``origin``: how an explicit ``path`` is named in messages (the commands pass ``"--path"``).
 
     Raises:
         ConfigError: the first bad argument, with its value and the fix; a spill directory
@@ -587,7 +589,7 @@ def make_config(
         _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
     if not isinstance(verify, bool):
         raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
-    paths, origin = _checked_paths(path)
+    paths, origin = _checked_paths(path, origin)
     config = OffloadConfig(
         paths=paths,
         mode=mode,

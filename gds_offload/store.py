@@ -33,7 +33,7 @@ from gds_offload.errors import ConfigError, SpillSpaceError
 
 __all__ = [
     "ALIGN", "DirCheck", "Origin", "Slot", "SpillFile", "SpillStore", "check_dir", "default_spill_dir", "prepare_dir",
-    "spill_dir_origin",
+    "spill_dir_origin", "check_free_space", "free_bytes", "open_unnamed",
 ]
 
 ALIGN = 4096
@@ -394,7 +394,7 @@ class SpillStore:
             check_free_space(dirs, reserve_bytes)
         try:
             for i, d in enumerate(dirs):
-                fd, is_direct, note = _open_unnamed(d, direct=direct)
+                fd, is_direct, note = open_unnamed(d, direct=direct)
                 self.files.append(SpillFile(id=i, dir=d, fd=fd, direct=is_direct, note=note))
         except BaseException:
             self.close()
@@ -487,7 +487,7 @@ class SpillStore:
 
 def check_free_space(dirs: list[Path], reserve_bytes: int) -> None:
     """Raise :class:`SpillSpaceError` unless ``dirs`` have ``reserve_bytes`` free in total."""
-    free = {d: _free_bytes(d) for d in dirs}
+    free = {d: free_bytes(d) for d in dirs}
     if sum(free.values()) < reserve_bytes:
         where = ", ".join(f"{d}: {n} bytes free" for d, n in free.items())
         raise SpillSpaceError(
@@ -496,12 +496,13 @@ def check_free_space(dirs: list[Path], reserve_bytes: int) -> None:
         )
 
 
-def _free_bytes(d: Path) -> int:
+def free_bytes(d: Path) -> int:
+    """Bytes of the filesystem under ``d`` available to this user (``statvfs``)."""
     st = os.statvfs(d)
     return st.f_bavail * st.f_frsize
 
 
-def _open_unnamed(d: Path, *, direct: bool) -> tuple[int, bool, str]:
+def open_unnamed(d: Path, *, direct: bool) -> tuple[int, bool, str]:
     """Open an unnamed 0600 file in ``d``: (fd, opened with O_DIRECT, note)."""
     base = os.O_RDWR | os.O_CLOEXEC
     attempts = [(base | os.O_DIRECT, True), (base, False)] if direct else [(base, False)]

@@ -180,3 +180,148 @@ def test_demo_frames_end_their_lines(tmp_path, capsys) -> None:
         stripped = line.rstrip()
         assert "┘" not in stripped or stripped.endswith("┘"), line
     assert sum(line.startswith("gds-offload demo: ") for line in text.splitlines()) == 2, text
+
+
+# ---------------------------------------------------------------------------- arguments, before any work
+class _WorkStarted(Exception):
+    """Raised by the stand-ins of the functions that start the real work."""
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any child run, engine measurement or weight benchmark fails the test: arguments must be refused first."""
+    import gds_offload.bench.io_bench as io_bench
+    import gds_offload.bench.rok as rok
+    import gds_offload.bench.runner as runner
+    import gds_offload.weights.bench as weights_bench
+
+    def started(*_a: object, **_kw: object) -> None:
+        raise _WorkStarted("work started before the arguments were checked")
+
+    for module, name in ((runner, "run_mode"), (rok, "run_mode"), (io_bench, "run_bench"), (weights_bench, "run_bench")):
+        monkeypatch.setattr(module, name, started)
+
+
+def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+ZERO_OR_NEGATIVE = [
+    *[["demo", flag, value] for flag in ("--layers", "--batch", "--seq", "--hidden", "--vocab", "--heads", "--steps", "--warmup")
+      for value in ("0", "-3")],
+    ["bench", "--layers", "0"], ["bench", "--rounds", "0"], ["bench", "--timeout", "0"],
+    ["rok", "--layers", "0"], ["rok", "--steps", "0"], ["rok", "--heads", "-1"],
+    ["bench-io", "--tensor-sizes", "0"], ["bench-io", "--repeats", "0"], ["bench-io", "--tensor-sizes", "1MiB,0"],
+    ["bench-io", "--size", "0"], ["bench-io", "--chunk-sizes", "0"],
+    ["bench-weights", "--hidden", "0"], ["bench-weights", "--prompt-len", "0"], ["bench-weights", "--new-tokens", "0"],
+    ["bench-weights", "--layers", "-1"], ["bench-weights", "--batch-sizes", "1,0"], ["bench-weights", "--slots", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", ZERO_OR_NEGATIVE, ids=" ".join)
+def test_zero_and_negative_sizes_are_errors_naming_the_flag(argv: list[str], no_work: None, capsys) -> None:
+    """Zero never means "the default" (before: demo --layers 0 ran the full default model;
+    bench-io --tensor-sizes 0 skipped every engine and exited 0)."""
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert argv[1] in text, text
+
+
+LATE = [
+    (["--path", "{file}"], "--path"),
+    (["--policy", "bogus"], "--policy"),
+    (["--keep-last", "-1"], "--keep-last"),
+    (["--num-threads", "0"], "--num-threads"),
+    (["--device", "tpu"], "--device"),
+    (["--model", "bogus"], "--model"),
+    (["--model", "no_such_module_here:make"], "--model"),
+    (["--min-bytes", "lots"], "--min-bytes"),
+    (["--max-bandwidth", "fast"], "--max-bandwidth"),
+]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "rok"])
+@pytest.mark.parametrize(("extra", "flag"), LATE, ids=[f for _, f in LATE])
+def test_bad_arguments_refused_before_any_run(command: str, extra: list[str], flag: str, tmp_path, no_work: None, capsys) -> None:
+    """Every argument is checked before the first child starts (before: a bad --path, --policy,
+    --keep-last, --num-threads, --device or --model showed up only after the keep baseline ran)."""
+    if command == "rok" and flag in ("--policy", "--keep-last", "--num-threads", "--min-bytes"):
+        pytest.skip(f"rok has no {flag}")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    extra = [e.replace("{file}", str(afile)) for e in extra]
+    size = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--vocab", "64"]
+    argv = {"demo": ["demo", *size, "--batch", "1"], "bench": ["bench", *size, "--batch", "1", "--modes", "keep,offload:posix",
+                                                               "--out", "", "--plot", ""],
+            "rok": ["rok", *size, "--batches", "1", "--placements", "keep,all", "--out", str(tmp_path / "r.json"),
+                    "--plot", str(tmp_path / "r.png")]}[command] + extra
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert flag in text, text
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "rok"])
+def test_a_model_that_cannot_fit_is_refused_with_the_estimate(command: str, tmp_path, no_work: None, capsys) -> None:
+    """Sizes are checked against the memory there is before anything runs, and the message
+    gives the estimate (before: the children started and died, or swapped the machine)."""
+    size = ["--layers", "8", "--hidden", "4096", "--heads", "32", "--seq", "4096", "--vocab", "32000"]
+    argv = {"demo": ["demo", *size, "--batch", "64", "--device", "cpu"],
+            "bench": ["bench", *size, "--batch", "64", "--modes", "keep", "--out", "", "--plot", "", "--device", "cpu"],
+            "rok": ["rok", *size, "--batches", "64", "--placements", "keep", "--out", str(tmp_path / "r.json"),
+                    "--plot", str(tmp_path / "r.png")]}[command]
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert "keep needs about" in text and "is available (MemAvailable" in text and "--batch" in text, text
+
+
+def test_memory_estimate_matches_a_measured_keep_run() -> None:
+    """The estimate the refusal relies on is within a factor of 1.5 of a measured peak."""
+    from gds_offload.bench.gpt import GPTConfig, estimate_memory
+    from gds_offload.bench.runner import RunSpec, run_here
+
+    spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=8, steps=2, warmup=1)
+    measured = run_here(spec, emit=lambda _e: None).peak_activation_bytes
+    est = estimate_memory(GPTConfig(3, 128, 2, 128, 2048), 8).activation_bytes
+    assert measured is not None and est / 1.5 < measured < est * 1.5, (measured, est)
+
+
+# ---------------------------------------------------------------------------- bench-io
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: None, capsys) -> None:
+    """bench-io checks free space first (before: it filled the drive, then died with a raw CalledProcessError)."""
+    from models import tmpfs
+
+    with tmpfs(tmp_path / "small", "16m") as small:
+        code, text = _exit_code(["bench-io", "--path", str(small), "--size", "64MiB", "--engines", "posix"], capsys)
+        assert os.listdir(small) == []
+    assert code == 2 and "--size" in text and "free" in text, text
+
+
+def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> None:
+    """The raw fio/dd pass writes an unnamed file (O_TMPFILE, or unlinked at once): nothing has a
+    name while it runs, so a kill -9 leaves nothing behind (before: a 64 MiB named file)."""
+    import gds_offload.bench.io_bench as io_bench
+
+    seen: list[tuple[list[str], list[str]]] = []
+    real_run = subprocess.run
+
+    def watching(cmd, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((list(cmd), os.listdir(spill_dir)))
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(io_bench.subprocess, "run", watching)
+    try:
+        raw = io_bench.raw_direct_bandwidth(spill_dir, 1 << 20)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the raw tool cannot run O_DIRECT here: {exc.stderr}")
+    assert raw["write_gbps"] > 0 and raw["read_gbps"] > 0
+    assert len(seen) == 2 and all(listing == [] for _, listing in seen), seen
+    assert all(any("/proc/self/fd/" in part for part in cmd) for cmd, _ in seen), seen
+    assert os.listdir(spill_dir) == []

@@ -293,7 +293,7 @@ def test_failed_attach_leaves_no_threads(tmp_path, monkeypatch) -> None:
     def no_file(*_a: object, **_kw: object) -> None:
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr(store, "_open_unnamed", no_file)  # fails after the engine started
+    monkeypatch.setattr(store, "open_unnamed", no_file)  # fails after the engine started
     with pytest.raises(OSError, match="Too many open files"):
         offload_everything(MLP(), tmp_path)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
