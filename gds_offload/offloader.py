@@ -181,12 +181,12 @@ class Offloader:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        guard = getattr(self, "_guard", None)
+        guard: _InterruptGuard | None = getattr(self, "_guard", None)
         if model is None:
             return
         if guard is not None and model.__dict__.get("forward") is guard:
             if self._had_forward_attr:
-                model.forward = guard.forward  # type: ignore[method-assign]
+                model.forward = guard.forward  # type: ignore[method-assign,union-attr]
             else:
                 del model.forward
         ref = getattr(model, "_gds_offloader", None)
@@ -483,7 +483,8 @@ def _check_model(model: Any) -> None:
             "before scripting or tracing it"
         )
     existing = getattr(model, "_gds_offloader", None)
-    if isinstance(existing, weakref.ref) and existing() is not None and existing().attached:
+    owner = existing() if isinstance(existing, weakref.ref) else None
+    if owner is not None and owner.attached:
         raise ConfigError("an offloader is already attached to this model; call .detach() on it first")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")

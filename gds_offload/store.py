@@ -32,8 +32,19 @@ from typing import Literal
 from gds_offload.errors import ConfigError, SpillSpaceError
 
 __all__ = [
-    "ALIGN", "DirCheck", "Origin", "Slot", "SpillFile", "SpillStore", "check_dir", "default_spill_dir", "prepare_dir",
-    "spill_dir_origin", "check_free_space", "free_bytes", "open_unnamed",
+    "ALIGN",
+    "DirCheck",
+    "Origin",
+    "Slot",
+    "SpillFile",
+    "SpillStore",
+    "check_dir",
+    "check_free_space",
+    "default_spill_dir",
+    "free_bytes",
+    "open_unnamed",
+    "prepare_dir",
+    "spill_dir_origin",
 ]
 
 ALIGN = 4096
@@ -212,10 +223,11 @@ def _refusal(path: Path, origin: Origin) -> tuple[str, str] | None:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory", f"pass a directory on an NVMe drive ({_short(other)})"
     mode = stat.S_IMODE(st.st_mode)
-    if origin == "default" and uid not in (st.st_uid, lst.st_uid) or origin == "default" and st.st_uid != lst.st_uid:
+    if origin == "default" and (st.st_uid != uid or lst.st_uid != uid):
         owner = st.st_uid if st.st_uid != uid else lst.st_uid
-        return (f"belongs to uid {owner}, not to you (uid {uid}; mode {mode:o}): another user made it, and could "
-                f"read or replace what is spilled there. Do not use it", other)
+        why = (f"belongs to uid {owner}, not to you (uid {uid}; mode {mode:o}): another user made it, and could "
+               f"read or replace what is spilled there. Do not use it")
+        return why, other
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         why = f"is world-writable (mode {mode:o}) without the sticky bit; other users could tamper with it"
         if st.st_uid == uid:

@@ -116,7 +116,7 @@ def test_termination_signal_stops_the_command_and_its_children(command: str, sig
     assert child in family
     proc.send_signal(signum)
     try:
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
@@ -190,10 +190,8 @@ class _WorkStarted(Exception):
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any child run, engine measurement or weight benchmark fails the test: arguments must be refused first."""
-    import gds_offload.bench.io_bench as io_bench
-    import gds_offload.bench.rok as rok
-    import gds_offload.bench.runner as runner
     import gds_offload.weights.bench as weights_bench
+    from gds_offload.bench import io_bench, rok, runner
 
     def started(*_a: object, **_kw: object) -> None:
         raise _WorkStarted("work started before the arguments were checked")
@@ -307,12 +305,12 @@ def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: N
 def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> None:
     """The raw fio/dd pass writes an unnamed file (O_TMPFILE, or unlinked at once): nothing has a
     name while it runs, so a kill -9 leaves nothing behind (before: a 64 MiB named file)."""
-    import gds_offload.bench.io_bench as io_bench
+    from gds_offload.bench import io_bench
 
     seen: list[tuple[list[str], list[str]]] = []
     real_run = subprocess.run
 
-    def watching(cmd, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def watching(cmd, *a, **kw):
         seen.append((list(cmd), os.listdir(spill_dir)))
         return real_run(cmd, *a, **kw)
 

@@ -129,7 +129,7 @@ def test_named_file_fallback_refuses_a_substituted_file(tmp_path, monkeypatch) -
     """Without O_TMPFILE the spill file is a named file unlinked at once. Another user who
     swaps the name for a file of their own right after it is created must not get our bytes
     (before: the store reopened the name and wrote into the substitute)."""
-    import gds_offload.store as store
+    from gds_offload import store
 
     monkeypatch.setattr(store.os, "O_TMPFILE", 0)  # open(dir, O_RDWR) then fails: the fallback runs
     plain = tmp_path / "plain"
@@ -141,7 +141,7 @@ def test_named_file_fallback_refuses_a_substituted_file(tmp_path, monkeypatch) -
     real_open = os.open
     swapped: list[int] = []
 
-    def open_then_swap(file, flags, mode=0o777, *, dir_fd=None):  # noqa: ANN001, ANN202
+    def open_then_swap(file, flags, mode=0o777, *, dir_fd=None):
         fd = real_open(file, flags, mode, dir_fd=dir_fd)
         name = os.path.basename(os.fsdecode(file))
         if flags & os.O_CREAT and name.startswith(".gds_offload") and not swapped:

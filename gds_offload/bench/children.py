@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Terminated", "stop_signals", "spawn", "reap", "die_with_parent", "PARENT_ENV"]
+__all__ = ["PARENT_ENV", "Terminated", "die_with_parent", "reap", "spawn", "stop_signals"]
 
 #: Seconds a child gets to exit after ``SIGTERM`` before ``SIGKILL``.
 GRACE_S = 5.0

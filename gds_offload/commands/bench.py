@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -49,7 +50,7 @@ def _number(kind: type, low: float, what: str) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value != value or value < low or value in (float("inf"),):
+        if math.isnan(value) or math.isinf(value) or value < low:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
@@ -202,14 +203,15 @@ def check_fits(base: Any, modes: list[str]) -> None:
     if base.model != "gpt":
         return  # the estimate is the built-in GPT's
     est = estimate_memory(GPTConfig(base.layers, base.hidden, base.heads, base.seq, base.vocab, base.dropout), base.batch)
-    free = {}
+    free: dict[str, tuple[int, str] | None] = {}
     for mode in modes:
         for where, need in mode_needs(est, mode, base.device).items():
             if where not in free:
                 free[where] = available_memory(where)
-            if free[where] is None or need <= free[where][0]:
+            got = free[where]
+            if got is None or need <= got[0]:
                 continue
-            have, source = free[where]
+            have, source = got
             raise ConfigError(
                 f"{mode} needs about {format_bytes(need)} on {where} (model, gradients and AdamW state "
                 f"{format_bytes(est.state_bytes)}; activations {format_bytes(est.activation_bytes)} in all, "

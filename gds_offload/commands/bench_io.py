@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             if validate_mode(e) == "auto":
                 raise ConfigError("--engines: bench-io measures named engines; pass posix, compat, gds or host, not auto")
         path, origin = (args.path, "--path") if args.path else spill_dir_origin()
-        path = prepare_dir(path, create=True, origin=origin)
+        path = prepare_dir(path, create=True, origin=origin)  # type: ignore[arg-type]
         check_room(path, total, sizes, engines, raw=not args.no_raw)
         report = run_bench(
             path,
