@@ -112,12 +112,6 @@ class DirCheck:
     def ok(self) -> bool:
         return not self.problem
 
-    def describe(self) -> str:
-        """One line: ``exists``, ``missing, would be created 0700 under /x``, or the problem."""
-        if self.problem:
-            return self.problem
-        return "exists" if self.exists else f"missing, would be created 0700 under {self.create_under}"
-
 
 def _label(path: Path, origin: Origin) -> str:
     return {
