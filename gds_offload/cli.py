@@ -2,12 +2,17 @@
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit code), and imports heavy packages inside ``run``.
+
+Stopping: Ctrl-C (``SIGINT``), ``SIGTERM`` and ``SIGHUP`` stop the command and the child
+processes it runs (:mod:`gds_offload.bench.children`); it prints one line and exits with
+128 + the signal number (130 for Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -48,7 +53,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from gds_offload.bench.children import Terminated, stop_signals
+
+    try:
+        with stop_signals():
+            return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return stopped(f"gds-offload {args.command}", signal.SIGINT)
+    except Terminated as exc:
+        return stopped(f"gds-offload {args.command}", exc.signum)
+
+
+def stopped(prog: str, signum: int) -> int:
+    """Say in one line (on stderr) that ``prog`` was stopped by ``signum``; the exit code to return."""
+    name = signal.Signals(signum).name
+    what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {name}"
+    print(f"{prog}: {what}", file=sys.stderr)
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def resolve_layers(model: nn.Module, layers: Sequence[nn.Module | str] | None) -
     """``layers=`` as given by the user (modules or qualified names), else :func:`find_layers`.
 
     Raises:
-        ConfigError: a name that is not a submodule, or a module that is not part of ``model``.
+        ConfigError: a name that is not a submodule, a module that is not part of ``model``,
+            or a layer given twice (by name or as a module).
     """
     if layers is None:
         return find_layers(model)
@@ -62,4 +63,10 @@ def resolve_layers(model: nn.Module, layers: Sequence[nn.Module | str] | None) -
             out.append((names[id(item)], item))
         else:
             raise ConfigError(f"layers[{i}] is a {type(item).__name__}; pass nn.Module objects or qualified names")
+        first = next((j for j, (_, m) in enumerate(out[:-1]) if m is out[-1][1]), None)
+        if first is not None:
+            raise ConfigError(
+                f"layers[{i}]={out[-1][0]!r} repeats layers[{first}]; each layer may be given once "
+                f"(its hooks would run twice per call)"
+            )
     return out

@@ -22,6 +22,15 @@ child its own spill store and engine (see :meth:`Offloader._after_fork`).
 At interpreter exit, attached offloaders drop their queued transfers (exit never waits
 for a write backlog; the unnamed spill files vanish with the process).
 
+.. note:: Who keeps what alive
+   The model holds the offloader (its hooks and forward guard), and so does a forward's graph
+   (the backward pre-hooks on its outputs), so backward still works after the model is
+   dropped. The offloader holds the model through its forward guard (a cycle the collector
+   frees); ``model._gds_offloader`` is a weak reference. The engine and the spill store are
+   released by a ``weakref.finalize`` on the offloader whose callback holds them, not the
+   offloader: a model dropped without ``detach()`` gives back its threads, descriptors and
+   disk space when the collector frees it.
+
 .. warning:: ``copy.deepcopy`` of an attached model fails (its hooks reference the
    offloader, which holds locks): copy the model before ``attach()`` or after ``detach()``.
 """
@@ -51,10 +60,10 @@ from gds_offload.layers import resolve_layers
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
-from gds_offload.store import Slot, SpillStore, default_spill_dir
+from gds_offload.store import Origin, Slot, SpillStore, check_dir, spill_dir_origin
 from gds_offload.units import parse_bandwidth, parse_bytes
 
-__all__ = ["attach", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
+__all__ = ["attach", "make_config", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
 
 #: Storages under this size stay in memory. Measured with ``gds-offload bench-io``:
 #: below about 1 MiB per transfer the engines reach well under half of the drive's bandwidth.
@@ -78,7 +87,8 @@ class OffloadConfig:
     num_threads: int | None = None
     verify: bool = False
     write_window: int | None = None
-    default_path: bool = field(default=False, compare=False)
+    #: Where ``paths`` came from (see :func:`~gds_offload.store.check_dir`).
+    origin: Origin = field(default="path", compare=False)
 
 
 @dataclass
@@ -121,7 +131,8 @@ class Offloader:
         try:
             store = SpillStore(
                 list(config.paths) if engine.needs_files else [],
-                create_default=config.default_path,
+                create=True,
+                origin=config.origin,
             )
         except BaseException:
             engine.close()
@@ -144,6 +155,22 @@ class Offloader:
         self._tls = threading.local()
         self._handles: list[RemovableHandle] = []
         self._attached = True
+        # The engine's threads and the spill file live as long as this offloader, no longer: a
+        # model dropped without detach() releases them when the collector frees the offloader.
+        # See the note on ownership in the module doc; the callback must not reference self.
+        self._finalizer = _release_finalizer(self, engine, store)
+        self._had_forward_attr = "forward" in model.__dict__
+        try:
+            self._register(model, layers)
+        except BaseException:
+            self._unregister(model)
+            self._finalizer.detach()
+            _release(engine, store)
+            raise
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    def _register(self, model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> None:
         self._handles.append(model.register_forward_pre_hook(self._root_pre))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         for name, layer in layers:
@@ -152,11 +179,30 @@ class Offloader:
         # always_call forward hooks do not run when forward is left by a BaseException
         # (KeyboardInterrupt, SystemExit): this guard pops the hooks then. See _InterruptGuard.
         self._guard = _InterruptGuard(model.forward, self._abort_forward)
-        self._had_forward_attr = "forward" in model.__dict__
         model.forward = self._guard
         model._gds_offloader = weakref.ref(self)  # type: ignore[assignment]  # attaching twice is refused
-        self._pid = os.getpid()
-        _LIVE.add(self)
+
+    def _unregister(self, model: nn.Module | None) -> None:
+        """Undo :meth:`_register` (whatever part of it ran): hooks, the forward guard, the back-reference."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        guard: _InterruptGuard | None = getattr(self, "_guard", None)
+        if model is None:
+            return
+        if guard is not None and model.__dict__.get("forward") is guard:
+            if self._had_forward_attr:
+                model.forward = guard.forward
+            else:
+                del model.forward
+        ref = getattr(model, "_gds_offloader", None)
+        if isinstance(ref, weakref.ref) and ref() in (self, None):
+            # Modules that store attributes elsewhere (jit wrappers) may refuse ``del``: overwrite then.
+            try:
+                del model._gds_offloader
+            except AttributeError:
+                with contextlib.suppress(AttributeError, TypeError):
+                    model._gds_offloader = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ hooks
     def _thread(self) -> _ThreadState:
@@ -244,8 +290,10 @@ class Offloader:
             name = "posix"
         self.store.forget()  # the child's copies of the descriptors; the parent's stay open
         engine = make_engine(name, max_bandwidth=self.config.max_bandwidth, num_threads=self.config.num_threads)  # type: ignore[arg-type]
-        store = SpillStore(list(self.config.paths) if engine.needs_files else [])
+        store = SpillStore(list(self.config.paths) if engine.needs_files else [], origin=self.config.origin)
+        self._finalizer.detach()  # the parent's engine and store are the parent's to release
         self.engine, self.store = engine, store
+        self._finalizer = _release_finalizer(self, engine, store)
         self._stats.engine = engine.name
         self.scheduler.after_fork(engine, store)
 
@@ -281,6 +329,8 @@ class Offloader:
         self.synchronize()
         self.scheduler.use_engine(engine)
         self.engine = engine
+        self._finalizer.detach()  # the new engine (which owns a wrapped one) is now the one to close
+        self._finalizer = _release_finalizer(self, engine, self.store)
 
     def synchronize(self) -> None:
         """Block until every write and read in flight has finished (successfully or not).
@@ -326,25 +376,17 @@ class Offloader:
         if not self._attached:
             return
         self._attached = False
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         st = self._thread()
         if st.depth:  # detach() called from inside forward
             self._leave_forward(st)
         model = self._model_ref()
-        if model is not None and model.__dict__.get("forward") is self._guard:
-            if self._had_forward_attr:
-                model.forward = self._guard.forward
-            else:
-                del model.forward
+        self._unregister(model)
         self.scheduler.wait_inflight()
         self.scheduler.materialize_all()
+        self._finalizer.detach()
         self.engine.close()
         self.store.close()
         _LIVE.discard(self)
-        if model is not None and getattr(model, "_gds_offloader", None) is not None:
-            del model._gds_offloader
 
     def _close_at_exit(self) -> None:
         """Interpreter exit: cancel queued transfers so exit never waits for a write backlog (the
@@ -390,8 +432,10 @@ def attach(
     Args:
         model: any ``nn.Module``. Its repeated blocks (``ModuleList``/``Sequential`` of one
             type) are found automatically; override with ``layers``.
-        path: spill directory, or a list of them (one per drive; tensors are striped).
-            Default: ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>`` (created 0700).
+        path: spill directory, or a list of them (one per drive; tensors are striped); one
+            that does not exist is created (0700, parents as needed). Default:
+            ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``, which must belong to you.
+            Every directory passes :func:`~gds_offload.store.check_dir` (as in ``gds-check``).
         mode: ``auto`` (GDS where usable, else KvikIO compat, else POSIX), ``gds``,
             ``compat``, ``posix`` or ``host``.
         policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers;
@@ -422,6 +466,16 @@ def attach(
         ConfigError: bad arguments (the message names the argument and the fix).
         GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
     """
+    _check_model(model)
+    config = make_config(
+        path=path, mode=mode, policy=policy, budget=budget, min_bytes=min_bytes, keep_last=keep_last,
+        prefetch_bytes=prefetch_bytes, max_bandwidth=max_bandwidth, on_error=on_error, num_threads=num_threads,
+        verify=verify, write_window=write_window,
+    )
+    return Offloader(model, config, resolve_layers(model, _checked_layers(layers)))
+
+
+def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
@@ -429,37 +483,122 @@ def attach(
             "attach() got a torch.compile'd module; saved-tensor hooks do not run inside compiled graphs. "
             "Attach to the uncompiled model (model._orig_mod), or compile only submodules inside its layers"
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ConfigError(
+            f"attach() got a TorchScript module ({type(model).__name__}, from torch.jit.script or torch.jit.trace); "
+            "TorchScript runs forward as one graph, so the per-layer hooks the offloader plans by cannot be "
+            "registered (script) or never run (trace). Offload the eager model: attach to the eager module, "
+            "before scripting or tracing it"
+        )
     existing = getattr(model, "_gds_offloader", None)
-    if existing is not None and existing() is not None and existing().attached:
+    owner = existing() if isinstance(existing, weakref.ref) else None
+    if owner is not None and owner.attached:
         raise ConfigError("an offloader is already attached to this model; call .detach() on it first")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")
+
+
+def _checked_layers(layers: Any) -> Any:
+    """``layers=`` must be a sequence of modules or names, not one string (or other iterable)."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes, nn.Module)):
+        kind = "a module" if isinstance(layers, nn.Module) else f"a {type(layers).__name__}"
+        raise ConfigError(
+            f"layers={layers!r} is {kind}, not a list; pass a list of modules or qualified names, e.g. "
+            f"layers=[{layers!r}]" if isinstance(layers, str) else
+            f"layers={type(layers).__name__} is {kind}, not a list; pass a list of modules or qualified names, "
+            f"e.g. layers=list(model.blocks)"
+        )
+    if not isinstance(layers, Sequence):
+        raise ConfigError(
+            f"layers={layers!r} ({type(layers).__name__}) is not a list; pass a list of modules or qualified names"
+        )
+    return layers
+
+
+def _checked_paths(path: Any, origin: Origin = "path") -> tuple[tuple[Path, ...], Origin]:
+    """``path=`` as directories, and where they came from. Types and emptiness only; the
+    directories themselves are judged by :func:`~gds_offload.store.check_dir`."""
+    if path is None:
+        d, origin = spill_dir_origin()
+        return (d,), origin
+    items = [path] if isinstance(path, (str, bytes, os.PathLike)) else path
+    if isinstance(items, (int, float)) or not isinstance(items, Sequence):
+        raise ConfigError(
+            f"path={path!r} ({type(path).__name__}) is not a directory; pass a str or pathlib.Path, or a list of them"
+        )
+    if not items:
+        raise ConfigError("path=[] names no directory; pass a directory or a list of them")
+    out = []
+    for item in items:
+        shown = f"path={item!r}" if item is path else f"path=[..., {item!r}, ...]"
+        if isinstance(item, os.PathLike):
+            item = os.fspath(item)
+        if isinstance(item, bytes):
+            raise ConfigError(f"{shown} is bytes; pass the directory as a str or pathlib.Path (e.g. os.fsdecode(...))")
+        if not isinstance(item, str):
+            raise ConfigError(f"{shown} ({type(item).__name__}) is not a directory; pass a str or pathlib.Path")
+        if not item.strip():
+            raise ConfigError(f"{shown} is empty; pass a directory (the current directory is not assumed), or leave "
+                              "path unset for $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>")
+        if "\0" in item:
+            raise ConfigError(f"{shown} contains a NUL character; pass a real directory")
+        out.append(Path(item).expanduser())
+    return tuple(out), origin
+
+
+def _checked_int(name: str, value: Any, *, low: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be an int >= {low} ({what})")
+    if value < low:
+        raise ConfigError(f"{name}={value!r} must be an int >= {low} ({what})")
+    return value
+
+
+def make_config(
+    *,
+    path: Any = None,
+    mode: str = "auto",
+    policy: str | Budget = "all",
+    budget: int | str | None = None,
+    min_bytes: int | str = DEFAULT_MIN_BYTES,
+    keep_last: int = 1,
+    prefetch_bytes: int | str | None = None,
+    max_bandwidth: float | str | None = None,
+    on_error: str = "fallback",
+    num_threads: int | None = None,
+    verify: bool = False,
+    write_window: int | str | None = None,
+    origin: Origin = "path",
+) -> OffloadConfig:
+    """Validate :func:`attach`'s keyword arguments (all but ``model`` and ``layers``) without
+    allocating or creating anything; the commands call it before their first child starts.
+    ``origin``: how an explicit ``path`` is named in messages (the commands pass ``"--path"``).
+
+    Raises:
+        ConfigError: the first bad argument, with its value and the fix; a spill directory
+            :func:`~gds_offload.store.check_dir` refuses.
+    """
     validate_mode(mode)
     if budget is not None:
         if policy != "all":
             raise ConfigError(f"pass either budget={budget!r} or policy={policy!r}, not both")
         policy = Budget(budget)
-    if not isinstance(policy, Budget) and policy not in _POLICIES:
+    if not isinstance(policy, Budget) and (not isinstance(policy, str) or policy not in _POLICIES):
         hint = difflib.get_close_matches(str(policy), _POLICIES, n=1)
         raise ConfigError(
             f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)} or gds_offload.Budget('40GiB')"
             + (f" (did you mean {hint[0]!r}?)" if hint else "")
         )
-    if on_error not in ("fallback", "raise"):
+    if not isinstance(on_error, str) or on_error not in ("fallback", "raise"):
         raise ConfigError(f"on_error={on_error!r} is unknown; expected 'fallback' or 'raise'")
-    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
-        raise ConfigError(f"keep_last={keep_last!r} must be an int >= 0 (layers kept in memory at the end)")
-    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-        raise ConfigError(f"num_threads={num_threads!r} must be a positive int")
-    default_path = path is None
-    if path is None:
-        paths: tuple[Path, ...] = (default_spill_dir(),)
-    elif isinstance(path, (str, os.PathLike)):
-        paths = (Path(path),)
-    else:
-        paths = tuple(Path(p) for p in path)
-        if not paths:
-            raise ConfigError("path=[] names no directory; pass a directory or a list of them")
+    _checked_int("keep_last", keep_last, low=0, what="layers kept in memory at the end")
+    if num_threads is not None:
+        _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
+    if not isinstance(verify, bool):
+        raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
+    paths, origin = _checked_paths(path, origin)
     config = OffloadConfig(
         paths=paths,
         mode=mode,
@@ -468,14 +607,18 @@ def attach(
         keep_last=keep_last,
         prefetch_bytes=None if prefetch_bytes is None else parse_bytes(prefetch_bytes, name="prefetch_bytes"),
         max_bandwidth=None if max_bandwidth is None else parse_bandwidth(max_bandwidth),
-        on_error=on_error,
+        on_error=on_error,  # type: ignore[arg-type]
         num_threads=num_threads,
-        verify=bool(verify),
+        verify=verify,
         write_window=None if write_window is None else parse_bytes(write_window, name="write_window"),
-        default_path=default_path,
+        origin=origin,
     )
-    return Offloader(model, config, resolve_layers(model, layers))
-
+    if mode != "host":
+        for d in paths:
+            found = check_dir(d, origin=origin)
+            if found.problem:
+                raise ConfigError(found.problem)
+    return config
 
 
 def _make_policy(config: OffloadConfig) -> Policy:
@@ -514,6 +657,32 @@ class _InterruptGuard:
 
 def _unguarded(forward: Any) -> Any:
     return forward
+
+
+def _release_finalizer(owner: Offloader, engine: Engine, store: SpillStore) -> weakref.finalize:
+    """Close ``engine`` and ``store`` when ``owner`` is collected (never at interpreter exit:
+    the process's descriptors close with it, and exit must not wait for a write backlog)."""
+    fin = weakref.finalize(owner, _release_from_gc, engine, store)
+    fin.atexit = False
+    return fin
+
+
+def _release(engine: Engine, store: SpillStore) -> None:
+    """Wait for the engine's transfers, stop its threads, then close (and so delete) the spill files."""
+    try:
+        engine.close()
+    finally:
+        store.close()
+
+
+def _release_from_gc(engine: Engine, store: SpillStore) -> None:
+    """:func:`_release` for an offloader the collector freed. The collector may run on any
+    thread, an engine worker included, which cannot join its own pool: off the main thread
+    the release runs on a short-lived thread of its own."""
+    if threading.current_thread() is threading.main_thread():
+        _release(engine, store)
+    else:
+        threading.Thread(target=_release, args=(engine, store), name="gds_offload-release", daemon=True).start()
 
 
 #: Attached offloaders, stopped at interpreter exit.

@@ -230,8 +230,6 @@ def test_bench_command_rounds(tmp_path, capsys, monkeypatch) -> None:
     assert [r["torch_threads"] for r in doc["results"]] == [1, 1, 1, 1]
     text = " ".join(capsys.readouterr().out.split())  # the title may wrap
     assert "2 interleaved rounds" in text and "torch threads: 1" in text
-    assert main(["bench", "--rounds", "0", "--out", "", "--plot", ""]) == 2
-    assert "--rounds 0" in capsys.readouterr().err
 
 
 def test_bench_command_paired(tmp_path, capsys) -> None:
@@ -249,8 +247,6 @@ def test_bench_command_paired(tmp_path, capsys) -> None:
     ratios = doc["summary"]["modes"]["offload:posix"]["paired_ratios"]
     assert ratios == pytest.approx([a / b for a, b in zip(off["step_seconds"], off["paired_keep_seconds"])])
     assert "paired" in capsys.readouterr().out.split("results:")[0]
-    assert main(["bench", "--paired", "--steps", "3", "--out", "", "--plot", ""]) == 2
-    assert "even number" in capsys.readouterr().err
 
 
 def test_bench_command_rejects_unknown_mode(capsys) -> None:
@@ -265,7 +261,6 @@ def test_demo_command(tmp_path, capsys) -> None:
     assert "loss curves agree" in text and "I/O hidden behind compute" in text
     assert "NO" not in text or "bit-identical in one process (2 steps" in text, text  # see assert_exact
     assert "offloaded / paused, same process (1 pair)" in text
-    assert main(["demo", "--steps", "3"]) == 2 and "even number" in capsys.readouterr().err
 
 
 def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch) -> None:

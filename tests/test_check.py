@@ -331,12 +331,59 @@ def test_cuda_visible_devices_hint(tmp_path):
 # ------------------------------------------------------------------------------------------
 # Paths
 # ------------------------------------------------------------------------------------------
-def test_missing_dir_is_created_0700(tmp_path):
+def test_missing_dir_is_reported_not_created(tmp_path):
+    """A check changes nothing: a missing directory is "missing, would be created 0700", and its
+    nearest existing ancestor is what gets probed (before: gds-check created it, then said "exists")."""
     spill = tmp_path / "a" / "b"
     root = make_node(tmp_path / "root", tmp_path / "other")
     report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
-    assert report.paths[0].created and spill.is_dir()
-    assert (spill.stat().st_mode & 0o777) == 0o700
+    probe = report.paths[0]
+    assert not probe.exists and probe.would_create and probe.probed == str(tmp_path)
+    assert not (tmp_path / "a").exists() and sorted(os.listdir(tmp_path)) == ["other", "root"]
+    v = decide(report, 0)
+    assert v.mode != "unusable", v.reason
+    path_line = by_name(v, "path")[0]
+    assert path_line.status == "ok" and "missing, would be created 0700" in path_line.detail, path_line
+
+
+def _attach_message(path):
+    import torch
+
+    import gds_offload
+
+    with pytest.raises(gds_offload.ConfigError) as info:
+        gds_offload.attach(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), path=path, mode="posix")
+    return str(info.value)
+
+
+def test_check_refuses_what_attach_refuses(tmp_path):
+    """One truth: a world-writable directory without the sticky bit is unusable for gds-check
+    too, with attach()'s own words (before: gds-check said compat, attach refused)."""
+    from gds_offload.store import check_dir
+
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    root = make_node(tmp_path / "root", tmp_path / "other")
+    v = node_verdict(d, root=root, env={}, probe_driver=False, probes=fake_probes())
+    assert v.mode == "unusable" and v.reason == check_dir(d, origin="--path").problem
+    said = _attach_message(d)  # the same words, but for the name of the option and the alternative
+    assert said.removeprefix(f"path={str(d)!r}").rsplit(", or ", 1)[0] == v.reason.removeprefix(f"--path {d}").rsplit(", or ", 1)[0]
+    assert "world-writable (mode 777) without the sticky bit" in v.reason and "--path" in v.fix
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a symlink owned by another user (lchown)")
+def test_check_refuses_a_symlink_owned_by_another_user(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    os.lchown(link, 12345, 12345)
+    root = make_node(tmp_path / "root", tmp_path / "other")
+    v = node_verdict(link, root=root, env={}, probe_driver=False, probes=fake_probes())
+    assert v.mode == "unusable" and "symlink owned by uid 12345" in v.reason, v.reason
+    assert "symlink owned by uid 12345" in _attach_message(link)
 
 
 def test_regular_file_and_uncreatable_path_are_unusable(tmp_path):
@@ -544,7 +591,7 @@ def test_cli_json_on_a_cpu_machine(tmp_path):
     assert schema_errors(doc, JSON_SCHEMA) == []
     assert doc["verdict"] == "compat" and doc["exit_code"] == 1
     assert "no GPU" in doc["reason"]
-    assert doc["paths"][0]["path"] == str(spill) and doc["paths"][0]["created"]
+    assert doc["paths"][0]["path"] == str(spill) and doc["paths"][0]["would_create"] and not spill.exists()
     assert doc["bandwidth"] == {} and doc["gpus"] == []
     assert {c["name"] for c in doc["checks"]} >= {"gpu", "libcufile", "kvikio", "nvidia-fs", "udev",
                                                    "cufile.json", "filesystem", "o_direct", "kvikio-driver"}

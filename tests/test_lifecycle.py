@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import ENGINES, assert_same, make, offload_everything, settled, train_step
+from models import ENGINES, Result, assert_same, make, offload_everything, settled, train_step
 from torch import nn
 
 import gds_offload
@@ -284,6 +284,111 @@ def test_default_write_window_follows_the_layer_size(tmp_path) -> None:
 def test_write_window_refuses_bad_values(bad: object, tmp_path: Path) -> None:
     with pytest.raises(gds_offload.ConfigError, match="write_window"):
         gds_offload.attach(make("mlp")[0], path=tmp_path, write_window=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- life and death
+def _spill_fds(directory: Path) -> tuple[int, int]:
+    """(descriptors of this process open on files in ``directory``, bytes those files hold on disk)."""
+    count = held = 0
+    prefix = str(directory.resolve()) + "/"
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            st = os.fstat(int(name))
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            count += 1
+            held += st.st_blocks * 512
+    return count, held
+
+
+def test_model_dropped_without_detach_releases_its_spill_file(engine: str, tmp_path) -> None:
+    """Attach, train, drop the model (no ``detach()``), collect: the engine and store go with
+    the offloader (before: one spill descriptor and 64 MiB held per dropped model)."""
+    import weakref
+
+    refs = []
+    for _ in range(8):
+        model, inputs = make("mlp")
+        off = offload_everything(model, tmp_path, engine)
+        train_step(model, inputs)
+        off.synchronize()
+        assert _spill_fds(tmp_path)[0] >= 1
+        refs.append(weakref.ref(off))
+        del model, off
+        gc.collect()
+    assert all(r() is None for r in refs), "something still holds a dropped offloader"
+    assert _spill_fds(tmp_path) == (0, 0)
+
+
+def test_offloader_kept_alive_by_a_graph_still_serves_backward(engine: str, tmp_path) -> None:
+    """Dropping the model and offloader between forward and backward: the graph still holds what
+    it needs, backward is exact, and afterwards everything is released."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    off = offload_everything(model, tmp_path, engine)
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs).pow(2).mean()
+    off.synchronize()
+    params = dict(model.named_parameters())
+    del model, off
+    gc.collect()
+    loss.backward()
+    assert_same(ref, Result(loss.detach(), {n: p.grad for n, p in params.items()}))
+    del loss
+    gc.collect()
+    assert _spill_fds(tmp_path) == (0, 0)
+
+
+def test_torchscript_modules_refused_before_anything_is_allocated(tmp_path) -> None:
+    """``jit.script`` cannot take hooks and ``jit.trace`` never runs its submodules' hooks (the
+    graph runs whole): both are refused with the fix, and no spill file is opened
+    (before: script leaked a spill descriptor per call; trace offloaded nothing and its
+    ``detach()`` raised AttributeError)."""
+    model, inputs = make("mlp")
+    for jitted in (torch.jit.script(model), torch.jit.trace(model, inputs)):
+        for _ in range(3):
+            with pytest.raises(gds_offload.ConfigError, match="TorchScript.*attach to the eager module"):
+                gds_offload.attach(jitted, path=tmp_path, mode="posix")
+    assert _spill_fds(tmp_path) == (0, 0)
+
+
+def test_detach_works_when_the_module_forwards_its_attributes(tmp_path) -> None:
+    """A module that stores attributes elsewhere (as ``jit.trace`` wrappers do): ``detach()``
+    still completes and leaves no trace of the offloader on it."""
+
+    class Forwarding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = make("mlp")[0]
+            object.__setattr__(self, "_store", {})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name.startswith("_gds"):
+                self._store[name] = value
+            else:
+                super().__setattr__(name, value)
+
+        def __getattr__(self, name: str) -> object:
+            store = object.__getattribute__(self, "__dict__").get("_store", {})
+            return store[name] if name in store else super().__getattr__(name)
+
+        def __delattr__(self, name: str) -> None:
+            if name in self._store:  # only `del` by the name it was set by is refused, like jit's
+                raise AttributeError(name)
+            super().__delattr__(name)
+
+    model = Forwarding()
+    off = gds_offload.attach(model, path=tmp_path, mode="posix", min_bytes=0, keep_last=0)
+    model(torch.randn(4, 128)).sum().backward()
+    off.detach()
+    assert not off.attached
+    assert _spill_fds(tmp_path) == (0, 0)
+    gds_offload.attach(model, path=tmp_path, mode="posix").detach()  # attachable again
 
 
 assert ENGINES  # the engine fixture (conftest) runs each test above on every engine here

@@ -1,8 +1,12 @@
 """What attach() does besides being exact: stats, memory, slots, layers, errors, forwarding, prefetch."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,9 +144,18 @@ def test_attach_twice_refused(tmp_path) -> None:
             offload_everything(model, tmp_path)
 
 
-def test_missing_path_refused(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="does not exist"):
-        offload_everything(MLP(), tmp_path / "nope")
+def test_missing_path_created_private(tmp_path) -> None:
+    """An explicit path that does not exist is created, parents too, each 0700 whatever the
+    umask (before: refused with "does not exist")."""
+    target = tmp_path / "a" / "b" / "spill"
+    old = os.umask(0)
+    try:
+        with offload_everything(MLP(), target) as off:
+            assert off.attached
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", target):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
 def test_non_directory_refused(tmp_path) -> None:
@@ -191,6 +204,57 @@ def test_bad_arguments(kw: dict, match: str, tmp_path) -> None:
         gds_offload.attach(MLP(), mode=kw.pop("mode", "posix"), **kw)
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"min_bytes": float("nan")}, r"min_bytes=nan is not a finite number; pass a byte count"),
+        ({"prefetch_bytes": float("inf")}, r"prefetch_bytes=inf is not a finite number"),
+        ({"write_window": "1e400"}, r"write_window='1e400' is not a finite number"),
+        ({"max_bandwidth": float("inf")}, r"max_bandwidth=inf is not a finite number"),
+        ({"budget": float("nan")}, r"nan is not a finite number"),
+        ({"path": b".."}, r"path=b'\.\.' is bytes; pass the directory as a str"),
+        ({"path": 123}, r"path=123 \(int\) is not a directory; pass a str or pathlib.Path"),
+        ({"path": ""}, r"path='' is empty; pass a directory \(the current directory is not assumed\)"),
+        ({"path": [Path("/tmp"), 7]}, r"path=\[\.\.\., 7, \.\.\.\] \(int\) is not a directory"),
+        ({"path": "/proc/self"}, r"path='/proc/self' is on proc .*holds no files; pass another directory as path="),
+        ({"path": "/sys/kernel/spill"}, r"path='/sys/kernel/spill' does not exist and cannot be created: /sys/kernel is on sysfs"),
+        ({"path": "/tmp/" + "x" * 300}, r"has a name of 300 bytes .*at most 255 bytes per name; pass another directory"),
+        ({"path": "/tmp/" + "d/" * 2100}, r"bytes long; the kernel accepts paths under 4096 bytes"),
+        ({"verify": "no"}, r"verify='no' \(str\) must be True or False"),
+        ({"verify": 1}, r"verify=1 \(int\) must be True or False"),
+        ({"num_threads": True}, r"num_threads=True \(bool\) must be an int >= 1"),
+        ({"keep_last": 1.0}, r"keep_last=1.0 \(float\) must be an int >= 0"),
+        ({"layers": "blocks"}, r"layers='blocks' is a str, not a list; pass a list of modules or qualified names, e.g. layers=\['blocks'\]"),
+        ({"layers": ["blocks.0", "blocks.0"]}, r"layers\[1\]='blocks.0' repeats layers\[0\]"),
+        ({"layers": ["blocks.1", "blocks.0", "blocks.1"]}, r"layers\[2\]='blocks.1' repeats layers\[0\]"),
+        ({"policy": ["all"]}, r"policy=\['all'\] is unknown"),
+    ],
+)
+def test_bad_arguments_name_the_argument_value_and_fix(kw: dict, match: str, tmp_path) -> None:
+    """Silent coercions and raw errors become ConfigError (before: verify='no' was True,
+    num_threads=True was 1, layers='blocks' one layer per character, path='' the current
+    directory, path=b'..' a TypeError, a long name a raw OSError)."""
+    kw = {"path": tmp_path} | kw
+    with pytest.raises(ConfigError, match=match):
+        gds_offload.attach(MLP(), mode="posix", **kw)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_read_only_gds_offload_dir_refused_naming_the_variable(missing: bool, tmp_path, monkeypatch) -> None:
+    d = tmp_path / "ro"
+    target = d / "spill" if missing else d
+    monkeypatch.setenv("GDS_OFFLOAD_DIR", str(target))
+    if is_root():  # root writes through mode bits: use a read-only filesystem instead
+        ctx = tmpfs(d, "1m", readonly=True)
+    else:
+        d.mkdir(mode=0o500)
+        ctx = contextlib.nullcontext()
+    with ctx:
+        with pytest.raises(ConfigError, match=rf"GDS_OFFLOAD_DIR={target} .*(read-only|not writable).*set GDS_OFFLOAD_DIR to another directory"):
+            gds_offload.attach(MLP(), mode="posix")
+
+
 def test_sizes_parse(tmp_path) -> None:
     with offload_everything(MLP(), tmp_path, min_bytes="1MiB", prefetch_bytes="40GiB", max_bandwidth="2GB/s") as off:
         assert off.config.min_bytes == 1 << 20
@@ -221,11 +285,17 @@ def test_compiled_module_refused(tmp_path) -> None:
         offload_everything(compiled, tmp_path)
 
 
-def test_failed_attach_leaves_no_threads(tmp_path) -> None:
+def test_failed_attach_leaves_no_threads(tmp_path, monkeypatch) -> None:
     import threading
 
-    with pytest.raises(ConfigError):
-        offload_everything(MLP(), tmp_path / "missing")
+    import gds_offload.store as store
+
+    def no_file(*_a: object, **_kw: object) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(store, "open_unnamed", no_file)  # fails after the engine started
+    with pytest.raises(OSError, match="Too many open files"):
+        offload_everything(MLP(), tmp_path)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gds_offload-")]
 
 

@@ -39,4 +39,4 @@ def test_rok_command_writes_json_and_plot(tmp_path) -> None:
 
 def test_rok_rejects_bad_placements(capsys) -> None:
     assert main(["rok", "--placements", "keep,offload-everything", "--out", "/nonexistent/x.json"]) == 2
-    assert "unknown" in capsys.readouterr().out
+    assert "unknown" in capsys.readouterr().err

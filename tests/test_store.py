@@ -149,7 +149,7 @@ def test_buffered_fallback_records_why(mount: Callable[[str, str], Path]) -> Non
 # ------------------------------------------------------------------------ directory checks
 def test_directory_checks(spill_dir: Path) -> None:
     missing = spill_dir / "missing"
-    with pytest.raises(ConfigError, match=rf"spill path {missing} does not exist"):
+    with pytest.raises(ConfigError, match=rf"path='{missing}' does not exist"):
         SpillStore([missing])
     assert prepare_dir(missing, create=True) == missing
     assert stat.S_IMODE(missing.stat().st_mode) == 0o700

@@ -21,7 +21,10 @@ from torch import nn
 
 from gds_offload.errors import ConfigError
 
-__all__ = ["GPTConfig", "GPT", "Block", "make_gpt", "synthetic_batch", "lm_loss", "DEMO_PRESETS", "demo_preset"]
+__all__ = [
+    "GPTConfig", "GPT", "Block", "make_gpt", "synthetic_batch", "lm_loss", "DEMO_PRESETS", "demo_preset",
+    "MemoryEstimate", "estimate_memory",
+]
 
 
 @dataclass(frozen=True)
@@ -165,3 +168,64 @@ DEMO_PRESETS: dict[str, tuple[GPTConfig, int]] = {
 def demo_preset(device: str) -> tuple[GPTConfig, int]:
     """``(config, batch)`` of the demo model for ``device`` (``cpu`` or ``cuda[:N]``)."""
     return DEMO_PRESETS["cuda" if device.startswith("cuda") else "cpu"]
+
+
+#: Bytes one :class:`Block` saves for backward per token and unit of width (fp32): its input,
+#: both LayerNorm outputs, the fused QKV output, the attention output and its reshaped copy,
+#: the MLP's 4x-wide pre- and post-GELU, and the dropout masks: 17.5 floats. Measured: the
+#: peak activation memory of ``keep`` runs was 1.02 to 1.10 times this estimate (hidden 128
+#: to 512, seq 128 to 512, vocab 1k to 8k; 2-core CPU).
+BLOCK_BYTES_PER_TOKEN_WIDTH = 70
+#: Logits, their log-softmax and its gradient: three floats per token and vocabulary entry.
+HEAD_BYTES_PER_TOKEN_VOCAB = 12
+#: A training process before its model: the interpreter, torch, its allocator's slack.
+PROCESS_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one training step of the built-in GPT needs, fp32 with AdamW (see :func:`estimate_memory`).
+
+    Attributes:
+        state_bytes: parameters, gradients and AdamW's two moments (16 bytes per parameter),
+            plus :data:`PROCESS_BYTES`.
+        layer_bytes: activations one block saves for backward.
+        layer_input_bytes: one block's input (what ``recompute`` keeps per layer).
+        head_bytes: logits, log-softmax and its gradient.
+        layers: blocks.
+    """
+
+    state_bytes: int
+    layer_bytes: int
+    layer_input_bytes: int
+    head_bytes: int
+    layers: int
+
+    @property
+    def activation_bytes(self) -> int:
+        """Every block's saved activations plus the head's."""
+        return self.layers * self.layer_bytes + self.head_bytes
+
+    def keep_bytes(self) -> int:
+        """Without offloading: the model state and every activation."""
+        return self.state_bytes + self.activation_bytes
+
+    def recompute_bytes(self) -> int:
+        """Checkpointing every block: each block's input, one block's activations at a time, the head."""
+        return self.state_bytes + self.layers * self.layer_input_bytes + self.layer_bytes + self.head_bytes
+
+    def offload_bytes(self) -> int:
+        """Offloading: the last block kept, one block's writes in flight (the write window), the head."""
+        return self.state_bytes + 2 * self.layer_bytes + max(64 << 20, 2 * self.layer_bytes) + self.head_bytes
+
+
+def estimate_memory(config: GPTConfig, batch: int) -> MemoryEstimate:
+    """The memory one training process of ``make_gpt(config)`` needs at ``batch`` sequences per step."""
+    tokens = batch * config.seq
+    return MemoryEstimate(
+        state_bytes=16 * config.params() + PROCESS_BYTES,
+        layer_bytes=BLOCK_BYTES_PER_TOKEN_WIDTH * tokens * config.hidden,
+        layer_input_bytes=4 * tokens * config.hidden,
+        head_bytes=HEAD_BYTES_PER_TOKEN_VOCAB * tokens * config.vocab,
+        layers=config.layers,
+    )

@@ -22,7 +22,6 @@ import shlex
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,27 +118,27 @@ def machine_info(path: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 # the drive's raw O_DIRECT bandwidth
 # ---------------------------------------------------------------------------------------
-def _fio_pass(fio: str, file: Path, rw: str, total_bytes: int) -> tuple[float, list[str]]:
+def _fio_pass(fio: str, file: str, rw: str, total_bytes: int, fd: int) -> tuple[float, list[str]]:
     cmd = [
         fio, f"--name=raw-{rw}", f"--filename={file}", f"--rw={rw}", f"--bs={FIO_BLOCK_BYTES}",
         "--direct=1", "--ioengine=libaio", f"--iodepth={FIO_IODEPTH}", "--numjobs=1",
         f"--size={total_bytes}", "--output-format=json",
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600, pass_fds=(fd,)).stdout
     report = json.loads(out[out.index("{") :])  # fio may print notes before the JSON
     job = report["jobs"][0]["write" if rw == "write" else "read"]
     return job["io_bytes"] / (job["runtime"] / 1000) / 1e9, cmd
 
 
-def _dd_pass(dd: str, file: Path, rw: str, total_bytes: int) -> tuple[float, list[str]]:
+def _dd_pass(dd: str, file: str, rw: str, total_bytes: int, fd: int) -> tuple[float, list[str]]:
     count = max(1, total_bytes // DD_BLOCK_BYTES)
     bs = f"bs={DD_BLOCK_BYTES}"
     if rw == "write":
-        cmd = [dd, "if=/dev/zero", f"of={file}", bs, f"count={count}", "oflag=direct", "status=none"]
+        cmd = [dd, "if=/dev/zero", f"of={file}", bs, f"count={count}", "oflag=direct", "conv=notrunc", "status=none"]
     else:
         cmd = [dd, f"if={file}", "of=/dev/null", bs, f"count={count}", "iflag=direct", "status=none"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, capture_output=True, check=True, timeout=600)
+    subprocess.run(cmd, capture_output=True, check=True, timeout=600, pass_fds=(fd,))
     return count * DD_BLOCK_BYTES / (time.perf_counter() - t0) / 1e9, cmd
 
 
@@ -147,8 +146,10 @@ def raw_direct_bandwidth(path: Path, total_bytes: int) -> dict[str, Any]:
     """The drive's sequential O_DIRECT write, then read, bandwidth under ``path``.
 
     fio when installed (libaio, :data:`FIO_IODEPTH` requests of :data:`FIO_BLOCK_BYTES`
-    in flight, one job, a fresh preallocated file like a new spill file), else ``dd``
-    with ``oflag=direct``/``iflag=direct`` and 64 MiB blocks. The file is deleted after.
+    in flight, one job, a fresh file it lays out like a new spill file), else ``dd``
+    with ``oflag=direct``/``iflag=direct`` and 64 MiB blocks. The file is unnamed, as a
+    spill file is: the tool writes it through ``/proc/self/fd/N``, and its space is freed
+    when this function returns, or when the process dies however it dies.
 
     Args:
         path: a directory on the drive.
@@ -164,20 +165,22 @@ def raw_direct_bandwidth(path: Path, total_bytes: int) -> dict[str, Any]:
     total_bytes = -(-max(total_bytes, FIO_BLOCK_BYTES) // FIO_BLOCK_BYTES) * FIO_BLOCK_BYTES
     fio, dd = shutil.which("fio"), shutil.which("dd")
     if fio:
-        tool, run_pass = "fio", lambda f, rw: _fio_pass(fio, f, rw, total_bytes)
+        tool, run_pass = "fio", lambda f, rw, fd: _fio_pass(fio, f, rw, total_bytes, fd)
     elif dd:
-        tool, run_pass = "dd", lambda f, rw: _dd_pass(dd, f, rw, total_bytes)
+        tool, run_pass = "dd", lambda f, rw, fd: _dd_pass(dd, f, rw, total_bytes, fd)
     else:
         raise ConfigError("raw bandwidth needs fio or dd on PATH; install fio (apt-get install fio)")
-    fd, name = tempfile.mkstemp(prefix=".gds_offload-raw-", dir=path)
-    os.close(fd)
-    file = Path(name)
+    # An unnamed file (O_TMPFILE, or a named one unlinked at once): the tool reaches it through
+    # /proc/self/fd/N (the descriptor is passed to it), so even a kill -9 leaves nothing behind.
+    from gds_offload.store import open_unnamed
+
+    fd, _direct, _note = open_unnamed(Path(path), direct=False)
+    file = f"/proc/self/fd/{fd}"
     try:
-        file.unlink()  # fio lays the file out itself (preallocated), as the spill store does
-        write_gbps, wcmd = run_pass(file, "write")
-        read_gbps, rcmd = run_pass(file, "read")
+        write_gbps, wcmd = run_pass(file, "write", fd)
+        read_gbps, rcmd = run_pass(file, "read", fd)
     finally:
-        file.unlink(missing_ok=True)
+        os.close(fd)
     command = " && ".join(shlex.join(c) for c in (wcmd, rcmd))
     return {"tool": tool, "write_gbps": write_gbps, "read_gbps": read_gbps, "command": command}
 

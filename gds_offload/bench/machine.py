@@ -84,7 +84,7 @@ def _drive(path: Path, root: Path) -> dict[str, Any]:
     except ImportError as exc:
         return {"filesystem": f"unknown (gds-check probes unavailable: {exc})"}
     try:
-        p = probe_path(path, root=root, create=True)
+        p = probe_path(path, root=root)
     except Exception as exc:  # noqa: BLE001 - a probe never fails the benchmark
         return {"filesystem": f"unknown ({type(exc).__name__}: {exc})"}
     drive = None

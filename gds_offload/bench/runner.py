@@ -33,7 +33,8 @@ every mode.
 
 Paired runs (``RunSpec(paired=True)``, ``gds-offload bench --paired``): an offload mode's
 child alternates offloaded steps with steps under :meth:`~gds_offload.Offloader.paused`
-(no offloading), in ABBA order, and reports both. Their ratio compares steps seconds
+(no offloading), in ABBA order, and reports both (an odd count's last step is offloaded,
+without a partner). Their ratio compares steps seconds
 apart in one process, so a shared machine's slow spells, which last minutes and move a
 mode's median by up to a third between processes (keep: 7.0, 9.5 and 8.1 s in the three
 rounds of one ``bench --rounds 3`` on the 2-vCPU test VM), hit both sides alike.
@@ -77,6 +78,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
+
+from gds_offload.bench.children import die_with_parent, reap, spawn
 
 __all__ = [
     "RunSpec",
@@ -352,34 +355,25 @@ def run_mode(
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     except OSError as exc:
         return RunResult(spec.mode, "error", f"cannot start {cmd[0]}: {exc}", spec.model, spec.device)
-    err_tail: collections.deque[str] = collections.deque(maxlen=40)
-    reader = threading.Thread(target=lambda: err_tail.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    timed_out = threading.Event()
     timer = None
-    if timeout_s:
-        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
-        timer.daemon = True
-        timer.start()
-    result: dict[str, Any] | None = None
-    assert proc.stdout is not None, "stdout is a pipe"
-    for line in proc.stdout:
-        if not line.startswith(EVENT_PREFIX):
-            continue
-        try:
-            event = json.loads(line[len(EVENT_PREFIX) :])
-        except json.JSONDecodeError:
-            continue
-        if event.get("event") == "result":
-            result = event
-        elif on_event is not None:
-            on_event(event)
-    rc = proc.wait()
-    if timer is not None:
-        timer.cancel()
+    try:
+        err_tail: collections.deque[str] = collections.deque(maxlen=40)
+        reader = threading.Thread(target=lambda: err_tail.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        timed_out = threading.Event()
+        if timeout_s:
+            timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
+            timer.daemon = True
+            timer.start()
+        result = _read_events(proc, on_event)
+        rc = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        reap(proc)  # a no-op after wait(); on an exception (a stop signal) it stops the child first
     reader.join(timeout=5)
     wall = time.perf_counter() - t0
     if result is not None:
@@ -398,6 +392,24 @@ def run_mode(
     tail = "".join(err_tail).strip().splitlines()[-3:]
     detail = f"{why}: {' | '.join(tail)}" if tail else why
     return RunResult(spec.mode, "error", detail, spec.model, spec.device, spec.tokens_per_step, wall_s=wall, returncode=rc)
+
+
+def _read_events(proc: subprocess.Popen[str], on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any] | None:
+    """Pass the child's progress events to ``on_event`` until its stdout ends; return its result event."""
+    result: dict[str, Any] | None = None
+    assert proc.stdout is not None, "stdout is a pipe"
+    for line in proc.stdout:
+        if not line.startswith(EVENT_PREFIX):
+            continue
+        try:
+            event = json.loads(line[len(EVENT_PREFIX) :])
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "result":
+            result = event
+        elif on_event is not None:
+            on_event(event)
+    return result
 
 
 # ---------------------------------------------------------------------- child side
@@ -595,6 +607,12 @@ def abba_first_half(k: int) -> bool:
     return (k % 2 == 0) == ((k // 2) % 2 == 0)
 
 
+def is_unpaired(k: int, steps: int) -> bool:
+    """Whether measured step ``k`` of ``steps`` has no partner: the last one of an odd count
+    (it runs offloaded, and only the complete pairs give ratios)."""
+    return steps % 2 == 1 and k == steps - 1
+
+
 def paired_ratios(result: RunResult) -> list[float]:
     """Each pair's offloaded step time over its paused partner's (empty unless the run was paired)."""
     return [a / b for a, b in zip(result.step_seconds, result.paired_keep_seconds) if b]
@@ -646,7 +664,8 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
 
     With ``spec.paired`` an offload mode alternates its measured steps between offloaded
     and :meth:`~gds_offload.Offloader.paused` ones (pairs in ABBA order): the paused steps
-    go to ``paired_keep_seconds``, and the memory peak is that of the offloaded steps.
+    go to ``paired_keep_seconds``, and the memory peak is that of the offloaded steps. With
+    an odd ``spec.steps`` the last step is offloaded and unpaired (:func:`is_unpaired`).
 
     Raises:
         Unavailable: the mode cannot run here.
@@ -656,8 +675,6 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     kind, engine = parse_mode(spec.mode)
     if spec.warmup < 1 or spec.steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={spec.warmup} steps={spec.steps}")
-    if spec.paired and spec.steps % 2:
-        raise ValueError(f"paired runs measure pairs of an offloaded and a paused step: need an even number of steps, got {spec.steps}")
     cuda = spec.device.startswith("cuda")
     # Modes are compared bit for bit across processes: ask torch for its deterministic kernels.
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -742,7 +759,7 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
         hwm = result.memory_source.startswith("VmHWM")
         paired_peak = 0
         for i in range(spec.warmup, spec.warmup + spec.steps):
-            offloaded = not paired or abba_first_half(i - spec.warmup)
+            offloaded = not paired or abba_first_half(i - spec.warmup) or is_unpaired(i - spec.warmup, spec.steps)
             if paired and offloaded:  # the peak of offloaded steps only
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(gpu)
@@ -778,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gds_offload.bench.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
     args = parser.parse_args(argv)
+    die_with_parent()
     spec = RunSpec.from_json(args.spec)
     t0 = time.perf_counter()
     try:

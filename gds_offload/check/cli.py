@@ -14,7 +14,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from gds_offload.check.collect import NodeReport, collect_node
 from gds_offload.check.findings import CheckResult
-from gds_offload.check.paths import default_spill_dir
+from gds_offload.store import spill_dir_origin
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
 from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
 
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gds-check",
         description="Check whether this node can offload activations to NVMe through GPUDirect Storage.",
         epilog="exit codes: 0 gds (direct path), 1 compat (bounce buffer or CPU), 2 unusable, 3 usage error. "
-               "Default path: $GDS_OFFLOAD_DIR, else <tmp>/gds_offload-<uid> (created 0700).",
+               "Default path: $GDS_OFFLOAD_DIR, else <tmp>/gds_offload-<uid>. Nothing is created or changed: "
+               "a directory is judged as attach() judges it.",
     )
     parser.add_argument("--path", metavar="DIR", action="extend", nargs="+", default=[],
                         help="spill directory to check (repeatable; several for multi-drive nodes)")
@@ -139,6 +140,9 @@ def measure_bandwidth(
         if verdict.mode == "unusable":
             skipped.append(f"{probe.path} unusable")
             continue
+        if not probe.exists:
+            skipped.append(f"{probe.path} missing (attach would create it)")
+            continue
         if probe.free_bytes is not None and probe.free_bytes < 2 * size_bytes:
             skipped.append(f"{probe.path} has under 2x --size free")
             continue
@@ -192,17 +196,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments (``sys.argv[1:]`` when None).
 
     Returns:
-        0 ``gds``, 1 ``compat``, 2 ``unusable`` (3 on usage errors, through ``SystemExit``).
+        0 ``gds``, 1 ``compat``, 2 ``unusable`` (3 on usage errors, through ``SystemExit``);
+        128 + the signal number when stopped (130: Ctrl-C), after one line on stderr.
     """
+    args = build_parser().parse_args(argv)
+    import signal
+
+    from gds_offload.bench.children import Terminated, stop_signals
+    from gds_offload.cli import stopped
+
+    try:
+        with stop_signals():
+            return _run(args)
+    except KeyboardInterrupt:
+        return stopped("gds-check", signal.SIGINT)
+    except Terminated as exc:
+        return stopped("gds-check", exc.signum)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gds_offload._version import __version__
 
-    args = build_parser().parse_args(argv)
     env = os.environ
-    paths = [Path(p) for p in args.path] or [default_spill_dir(env)]
+    if args.path:
+        paths, origin = [Path(p) for p in args.path], "--path"
+    else:
+        default, origin = spill_dir_origin(env)
+        paths = [default]
     report = collect_node(paths, root=args.root, env=env, probe_driver=not args.no_driver_probe,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, origin=origin)
     verdicts = [decide(report, i) for i in range(len(paths))]
     overall = worst_verdict(verdicts)
     checks = list(report_checks(report))

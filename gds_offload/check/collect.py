@@ -28,6 +28,7 @@ from gds_offload.check.node import (
 )
 from gds_offload.check.paths import PathProbe, probe_path, statvfs_space
 from gds_offload.check.topology import Affinity, GpuTopology, gpu_topology, pcie_affinity
+from gds_offload.store import Origin
 
 __all__ = ["NodeReport", "Probes", "DEFAULT_PROBES", "RELEVANT_ENV", "collect_node"]
 
@@ -116,16 +117,19 @@ def collect_node(
     probe_driver: bool = True,
     timeout_s: float = 10.0,
     probes: Probes = DEFAULT_PROBES,
+    origin: Origin = "--path",
 ) -> NodeReport:
-    """Run every probe once for the node and each spill directory.
+    """Run every probe once for the node and each spill directory. Changes nothing.
 
     Args:
-        paths: spill directories (created 0700 when missing).
+        paths: spill directories (a missing one is reported as attach would create it).
         root: root of the ``/proc``, ``/sys``, ``/etc``, ``/dev``, ``/run`` trees.
         env: environment; ``os.environ`` when None.
         probe_driver: let the KvikIO child open the cuFile driver.
         timeout_s: limit for the KvikIO child.
         probes: boundary functions (replace them in tests).
+        origin: where ``paths`` came from (``--path``, ``GDS_OFFLOAD_DIR``, ``default``): the
+            name the directory verdicts use (:func:`gds_offload.store.check_dir`).
 
     Returns:
         The facts, ready for :func:`~gds_offload.check.verdict.decide`.
@@ -142,11 +146,11 @@ def collect_node(
                     lambda e: CufileConfig("/etc/cufile.json", False, error=str(e)))
     container = _guard(lambda: probe_container(root), lambda e: ContainerProbe(False, f"probe failed: {e}"))
     path_probes = tuple(
-        _guard(lambda p=p: probe_path(Path(p), root=root, disk_space=probes.disk_space),
+        _guard(lambda p=p: probe_path(Path(p), root=root, disk_space=probes.disk_space, origin=origin),
                lambda e, p=p: PathProbe(str(p), error=f"path probe failed: {e}"))
         for p in paths)
     topology = tuple(gpu_topology(g, root) for g in gpu.gpus)
-    affinities = tuple(pcie_affinity(t, p) for t in topology for p in path_probes if p.exists)
+    affinities = tuple(pcie_affinity(t, p) for t in topology for p in path_probes if p.is_dir)
     return NodeReport(
         root=str(root),
         env={k: env[k] for k in RELEVANT_ENV if k in env},

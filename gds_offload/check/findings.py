@@ -290,12 +290,19 @@ def path_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     """Findings for one spill directory, in blocking order."""
     where = path.path
     fix_path = "pass --path (or set GDS_OFFLOAD_DIR) to a writable directory on an NVMe ext4/xfs filesystem"
-    if not path.exists:
+    if path.problem:  # what attach() would refuse it with: the same words (gds_offload.store.check_dir)
+        fix = path.fix or fix_path
+        return [Finding(CheckResult("path", "fail", path.problem, fix), "usable", path.problem, fix)]
+    if not path.exists and not path.would_create:
         reason = path.error or f"{where} does not exist"
         return [Finding(CheckResult("path", "fail", reason, fix_path), "usable", reason, fix_path)]
     if not path.is_dir:
         return [Finding(CheckResult("path", "fail", path.error, fix_path), "usable", path.error, fix_path)]
-    found = [Finding(CheckResult("path", "ok", f"{where} exists" + (" (created, mode 0700)" if path.created else "")))]
+    if path.exists:
+        found = [Finding(CheckResult("path", "ok", f"{where} exists"))]
+    else:
+        found = [Finding(CheckResult("path", "ok", f"{where}: missing, would be created 0700 (by attach) under {path.probed}; "
+                                                   f"the checks below are of {path.probed}"))]
     if path.read_only_mount:
         reason = f"{where} is on a read-only mount ({path.mountpoint}, options {','.join(path.mount_options)})"
         found.append(Finding(CheckResult("writable", "fail", reason, fix_path), "usable", reason, fix_path))

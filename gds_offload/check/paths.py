@@ -1,9 +1,12 @@
 """Spill-directory probes: mounts, the block device behind a path, O_DIRECT, free space.
 
-:func:`probe_path` creates a missing directory (mode 0700), tries a write and an aligned
-``O_DIRECT`` write in it, reads its mount from ``<root>/proc/mounts`` and resolves its
-``st_dev`` through ``<root>/sys/dev/block`` to a disk (or the member disks of an md/dm
-device), its PCI path and NUMA node. Probes never raise.
+:func:`probe_path` judges the directory exactly as ``attach()`` does
+(:func:`gds_offload.store.check_dir`: one function, one truth), then tries a write and an
+aligned ``O_DIRECT`` write in it, reads its mount from ``<root>/proc/mounts`` and resolves
+its ``st_dev`` through ``<root>/sys/dev/block`` to a disk (or the member disks of an md/dm
+device), its PCI path and NUMA node. It changes nothing: a missing directory is reported as
+"would be created" and its nearest existing ancestor is probed instead, without writing a
+named file there. Probes never raise.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gds_offload.check._common import Reader, int_or_none, sysfs_pci_dir, sysfs_pci_path
-from gds_offload.store import default_spill_dir  # one definition, shared with attach()
+from gds_offload.store import Origin, check_dir, default_spill_dir  # one definition each, shared with attach()
 
 __all__ = [
     "MountEntry",
@@ -75,9 +78,13 @@ class PathProbe:
 
     Attributes:
         path: the directory as given (absolute).
-        exists: it exists (possibly because this probe created it).
-        created: this probe created it (mode 0700).
-        is_dir: it is a directory.
+        exists: it exists.
+        would_create: it is missing and ``attach()`` would create it (0700) under ``probed``.
+        problem: what ``attach()`` would refuse it with (:func:`gds_offload.store.check_dir`), or "".
+        fix: what to do about ``problem``.
+        probed: the directory the facts below describe: ``path``, or the existing ancestor
+            a missing one would be created under.
+        is_dir: ``probed`` is a directory.
         writable: a file could be created and removed in it.
         read_only_mount: its mount has the ``ro`` option.
         free_bytes: bytes available to unprivileged users, None when unknown.
@@ -94,7 +101,10 @@ class PathProbe:
 
     path: str
     exists: bool = False
-    created: bool = False
+    would_create: bool = False
+    problem: str = ""
+    fix: str = ""
+    probed: str = ""
     is_dir: bool = False
     writable: bool = False
     read_only_mount: bool = False
@@ -213,7 +223,7 @@ def _members(disk_dir: Path, root: Path, depth: int = 0) -> list[Path]:
 # --------------------------------------------------------------------------------------
 # Writes: O_DIRECT, writability, free space
 # --------------------------------------------------------------------------------------
-def probe_o_direct(directory: Path) -> tuple[bool | None, str]:
+def probe_o_direct(directory: Path, *, named_fallback: bool = True) -> tuple[bool | None, str]:
     """Whether the filesystem under ``directory`` accepts an aligned O_DIRECT write.
 
     Tries ``open(dir, O_TMPFILE|O_RDWR|O_DIRECT)`` (leaves nothing behind), then a
@@ -222,6 +232,8 @@ def probe_o_direct(directory: Path) -> tuple[bool | None, str]:
 
     Args:
         directory: an existing, writable directory.
+        named_fallback: without ``O_TMPFILE``, test with a named file (removed after);
+            False: leave a directory entirely untouched and report ``None``.
 
     Returns:
         ``(True|False, how)``, or ``(None, why)`` when the test itself could not run.
@@ -235,6 +247,8 @@ def probe_o_direct(directory: Path) -> tuple[bool | None, str]:
             fd = os.open(directory, os.O_TMPFILE | flags, 0o600)
             how = "O_TMPFILE"
         except OSError:
+            if not named_fallback:
+                return None, "not tested: no O_TMPFILE here, and the directory does not exist yet"
             return _o_direct_named(directory, flags, block)
         return _o_direct_write(fd, how, block)
     finally:
@@ -281,50 +295,52 @@ def probe_path(
     *,
     root: Path = Path("/"),
     disk_space: Callable[[Path], tuple[int, int]] = statvfs_space,
-    create: bool = True,
+    origin: Origin = "--path",
 ) -> PathProbe:
-    """Probe a spill directory: existence (creating it 0700), writability, space, mount, O_DIRECT, device.
+    """Probe a spill directory without changing it: ``attach()``'s verdict, writability, space,
+    mount, O_DIRECT, device.
 
     Args:
         path: the directory (a real path; only ``/proc`` and ``/sys`` are read under ``root``).
         root: root of the ``/proc`` and ``/sys`` trees.
         disk_space: ``path -> (free_bytes, total_bytes)``; ``statvfs`` by default.
-        create: create the directory (and parents) with mode 0700 when missing.
+        origin: where the path came from (``--path``, ``GDS_OFFLOAD_DIR``, ``default``), as
+            :func:`gds_offload.store.check_dir` names it in its verdict.
 
     Returns:
-        The facts; ``error`` holds the first problem met.
+        The facts; ``problem`` is what ``attach()`` would refuse, ``error`` the first problem met.
     """
     path = Path(os.path.abspath(os.path.expanduser(str(path))))
-    probe = PathProbe(str(path))
-    created = False
-    if not os.path.lexists(path):
-        if not create:
-            return replace(probe, error=f"{path} does not exist")
-        try:
-            os.makedirs(path, mode=0o700)
-            created = True
-        except OSError as exc:
-            return replace(probe, error=f"{path} does not exist and cannot be created: {exc.strerror or exc}")
-    real = Path(os.path.realpath(path))
+    found = check_dir(path, origin=origin)
+    target = path if found.exists else found.create_under
+    probe = PathProbe(str(path), exists=found.exists, would_create=not found.exists and not found.problem,
+                      problem=found.problem, fix=found.fix, probed=str(target or ""))
+    if target is None:
+        return replace(probe, error=found.problem or f"{path} does not exist")
+    real = Path(os.path.realpath(target))
     mount = find_mount(real, read_mounts(root))
     if mount is not None:
         probe = replace(probe, fstype=mount.fstype, mountpoint=mount.mountpoint,
                         mount_source=mount.source, mount_options=mount.options,
                         read_only_mount="ro" in mount.options)
-    probe = replace(probe, exists=True, created=created, is_dir=real.is_dir())
+    probe = replace(probe, is_dir=real.is_dir())
     if not probe.is_dir:
-        return replace(probe, error=f"{path} exists but is not a directory")
+        return replace(probe, error=found.problem or f"{target} exists but is not a directory")
     try:
         free, total = disk_space(real)
         probe = replace(probe, free_bytes=int(free), total_bytes=int(total))
     except Exception as exc:  # noqa: BLE001 - a probe never raises
         probe = replace(probe, error=f"free space unknown: {exc}")
-    writable, why = _try_write(real)
+    if found.exists:
+        writable, why = _try_write(real)
+    else:  # the ancestor is not ours to write in: ask the kernel only
+        writable = os.access(real, os.W_OK | os.X_OK)
+        why = "" if writable else f"{real} is not writable by uid {os.geteuid()}"
     probe = replace(probe, writable=writable and not probe.read_only_mount)
     if not writable:
         probe = replace(probe, error=probe.error or why)
     if writable:
-        o_direct, detail = probe_o_direct(real)
+        o_direct, detail = probe_o_direct(real, named_fallback=found.exists)
         probe = replace(probe, o_direct=o_direct, o_direct_detail=detail)
     try:
         probe = replace(probe, device=probe_block_device(os.stat(real).st_dev, root))

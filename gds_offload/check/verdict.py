@@ -27,6 +27,7 @@ from gds_offload.check.findings import (
     path_findings,
     recommendation_findings,
 )
+from gds_offload.store import Origin
 
 __all__ = ["Mode", "Verdict", "decide", "report_checks", "worst_verdict", "node_verdict"]
 
@@ -150,6 +151,7 @@ def node_verdict(
     probe_driver: bool = True,
     timeout_s: float = 10.0,
     probes: Probes = DEFAULT_PROBES,
+    origin: Origin = "--path",
 ) -> Verdict:
     """Decide what the offloader can do at ``path`` on this node.
 
@@ -157,7 +159,7 @@ def node_verdict(
     for node problems: they become checks and a verdict.
 
     Args:
-        path: the spill directory (created 0700 when missing).
+        path: the spill directory (never created; a missing one is judged as attach would create it).
         root: root of the ``/proc``, ``/sys``, ``/etc``, ``/dev``, ``/run`` trees.
         env: environment; ``os.environ`` when None.
         probe_driver: let a child process open the cuFile driver through KvikIO (it
@@ -165,6 +167,7 @@ def node_verdict(
             ``timeout_s``).
         timeout_s: limit for that child.
         probes: boundary functions (replace them in tests to simulate a node).
+        origin: where ``path`` came from, as the directory verdict names it.
 
     Returns:
         ``gds``, ``compat`` or ``unusable`` with a one-line reason and fix.
@@ -175,5 +178,5 @@ def node_verdict(
         ('compat', 'no GPU (torch.cuda.is_available() is False ...)')
     """
     report = collect_node([path], root=root, env=env, probe_driver=probe_driver,
-                          timeout_s=timeout_s, probes=probes)
+                          timeout_s=timeout_s, probes=probes, origin=origin)
     return decide(report, 0)

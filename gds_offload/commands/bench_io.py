@@ -18,19 +18,26 @@ HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gds_offload.commands.bench import positive_int
+
     p.add_argument("--path", type=Path, default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
     p.add_argument("--size", default="2GiB", help="bytes written then read per measurement (default: 2GiB)")
     p.add_argument("--tensor-sizes", default="1MiB,64MiB", help="comma-separated tensor sizes (default: 1MiB,64MiB)")
     p.add_argument("--engines", default="posix,compat,host", help="comma-separated engines: posix, compat, gds, host (default: posix,compat,host)")
     p.add_argument("--threads", default="", help="comma-separated engine thread counts to sweep, e.g. 1,2,4,8 (default: each engine's default)")
     p.add_argument("--chunk-sizes", default="", help="comma-separated posix chunk / KvikIO task sizes to sweep, e.g. 4MiB,8MiB (default: engine defaults)")
-    p.add_argument("--repeats", type=int, default=1, help="write+read rounds per measurement; the median is shown (default: 1)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="write+read rounds per measurement; the median is shown (default: 1)")
     p.add_argument("--no-raw", action="store_true", help="skip the fio/dd raw measurement (no ratios)")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': print JSON instead of the table)")
 
 
 def _list(text: str, parse: Any, name: str) -> list[Any]:
-    return [parse(part.strip(), name=name) for part in text.split(",") if part.strip()]
+    from gds_offload.errors import ConfigError
+
+    values = [parse(part.strip(), name=name) for part in text.split(",") if part.strip()]
+    if any(v <= 0 for v in values):
+        raise ConfigError(f"{name} {text!r}: every value must be positive (0 is not 'the default': leave the flag out)")
+    return values
 
 
 def _int(text: str, *, name: str) -> int:
@@ -43,6 +50,30 @@ def _int(text: str, *, name: str) -> int:
     if value < 1:
         raise ConfigError(f"{name}={value} must be >= 1")
     return value
+
+
+def check_room(path: Path, total: int, sizes: list[int], engines: list[str], *, raw: bool) -> None:
+    """Refuse a ``--size`` the drive cannot hold: the raw pass and each engine's spill file exist
+    one at a time, each about ``--size`` (the spill file grows 64 MiB at a time).
+
+    Raises:
+        ConfigError: too little free space, with both figures.
+    """
+    from gds_offload.errors import ConfigError
+    from gds_offload.store import GROW_BYTES, free_bytes
+    from gds_offload.units import format_bytes
+
+    needs = [max(total, 1 << 20)] if raw else []
+    if any(e != "host" for e in engines):
+        needs += [max(1, total // s) * s + GROW_BYTES for s in sizes]
+    if not needs:
+        return
+    need, free = max(needs), free_bytes(path)
+    if need > free:
+        raise ConfigError(
+            f"--size {format_bytes(total)} needs about {format_bytes(need)} free in {path} (the raw pass and each "
+            f"engine's spill file, one at a time) but it has {format_bytes(free)} free; pass a smaller --size"
+        )
 
 
 def render(report: Any) -> None:
@@ -93,19 +124,27 @@ def run(args: argparse.Namespace) -> int:
 
     from gds_offload.bench.io_bench import run_bench
     from gds_offload.errors import ConfigError
-    from gds_offload.store import default_spill_dir, prepare_dir
+    from gds_offload.io import validate_mode
+    from gds_offload.store import prepare_dir, spill_dir_origin
     from gds_offload.units import parse_bytes
 
     err = Console(stderr=True)
     try:
-        path = prepare_dir(args.path or default_spill_dir(), create=args.path is None)
         total = parse_bytes(args.size, name="--size")
         sizes = _list(args.tensor_sizes, parse_bytes, "--tensor-sizes")
         engines = [e.strip() for e in args.engines.split(",") if e.strip()]
         threads = _list(args.threads, _int, "--threads") or None
         chunks = _list(args.chunk_sizes, parse_bytes, "--chunk-sizes") or None
-        if not sizes or not engines or total <= 0:
-            raise ConfigError("--size, --tensor-sizes and --engines must be non-empty and positive")
+        if total <= 0:
+            raise ConfigError(f"--size {args.size!r} must be positive, e.g. 2GiB")
+        if not sizes or not engines:
+            raise ConfigError("--tensor-sizes and --engines must name at least one value")
+        for e in engines:
+            if validate_mode(e) == "auto":
+                raise ConfigError("--engines: bench-io measures named engines; pass posix, compat, gds or host, not auto")
+        path, origin = (args.path, "--path") if args.path else spill_dir_origin()
+        path = prepare_dir(path, create=True, origin=origin)  # type: ignore[arg-type]
+        check_room(path, total, sizes, engines, raw=not args.no_raw)
         report = run_bench(
             path,
             total_bytes=total,
@@ -118,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda msg: err.print(f"[dim]measuring {msg}[/]"),
         )
     except ConfigError as exc:
-        err.print(f"[red]error[/]: {exc}")
+        print(f"gds-offload bench-io: {exc}", file=sys.stderr)
         return 2
     if args.json and args.json != "-":
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -17,20 +18,32 @@ from pathlib import Path
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be positive integers")
+    return values
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gds_offload.commands.bench import positive_int
+
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model, short prompt: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 1024)")
-    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 2816)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16)")
+    p.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default 1024)")
+    p.add_argument("--intermediate", type=positive_int, default=None, help="MLP size (default 2816)")
+    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default 16)")
     p.add_argument("--dtype", default=None, help="float32 (default) or bfloat16")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence (default 16)")
-    p.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved; medians are shown (default 1)")
-    p.add_argument("--repeats", type=int, default=2, help="measurements per batch size inside each child (default 2)")
-    p.add_argument("--slots", type=int, default=2, help="ring buffers of the drive mode (default 2)")
-    p.add_argument("--threads", type=int, default=4, help="engine threads of the streamed modes (default 4)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,4)")
+    p.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per sequence (default 16)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved; medians are shown (default 1)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="measurements per batch size inside each child (default 2)")
+    p.add_argument("--slots", type=positive_int, default=2, help="ring buffers of the drive mode (default 2)")
+    p.add_argument("--threads", type=positive_int, default=4, help="engine threads of the streamed modes (default 4)")
     p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default <tmp>/gds_offload-bench-weights)")
     p.add_argument("--memory-limit", default=None, help="cap each child's memory (page cache included), e.g. 1GiB, except resident's (the reference outputs); needs root and cgroup v1")
@@ -50,16 +63,16 @@ def run(args: argparse.Namespace) -> int:
         model = TINY if args.tiny else DEFAULT_MODEL
         model = replace(model, **{k: v for k, v in (("hidden", args.hidden), ("intermediate", args.intermediate), ("layers", args.layers), ("dtype", args.dtype)) if v is not None})
         defaults = ((1, 2), 16, 4) if args.tiny else ((1, 4), 128, 16)
-        batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else defaults[0]
+        batches = args.batch_sizes or defaults[0]
         workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
-        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=args.prompt_len or defaults[1],
-                         new_tokens=args.new_tokens or defaults[2], slots=args.slots, num_threads=args.threads, repeats=args.repeats)  # fmt: skip
+        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=defaults[1] if args.prompt_len is None else args.prompt_len,
+                         new_tokens=defaults[2] if args.new_tokens is None else args.new_tokens, slots=args.slots, num_threads=args.threads, repeats=args.repeats)  # fmt: skip
         limit = parse_bytes(args.memory_limit, name="--memory-limit") if args.memory_limit else None
         if args.rounds < 1 or args.repeats < 1:
             raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats}: both must be at least 1")
         report = run_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, checkpoint=args.checkpoint)
     except ConfigError as exc:
-        print(f"gds-offload bench-weights: {exc}")
+        print(f"gds-offload bench-weights: {exc}", file=sys.stderr)
         return 2
     report["command"] = getattr(args, "command_line", "gds-offload bench-weights")
     from gds_offload.bench.machine import describe

@@ -12,7 +12,8 @@ Figures in the summary:
 * **step time**: median over the measured steps (warm-up excluded), and offload / keep.
   The offload run alternates offloaded steps with :meth:`~gds_offload.Offloader.paused`
   ones (``RunSpec(paired=True)``), so a second ratio compares steps seconds apart in one
-  process: on a shared machine it is the steadier of the two.
+  process: on a shared machine it is the steadier of the two. With an odd ``--steps`` the
+  last step is offloaded and has no partner.
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
   peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.runner`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
@@ -33,7 +34,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from gds_offload.commands.bench import add_model_arguments, base_spec, resolve_device
+from gds_offload.commands.bench import add_model_arguments, base_spec, check_runs, resolve_device
 
 HELP = "train a GPT without and with the offloader, live; compare step time, memory and losses"
 
@@ -43,7 +44,7 @@ _HISTORY = 12
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, steps=8, warmup=2)
     p.add_argument("--mode", default="auto", help="engine: auto, gds, compat, posix or host (default: auto)")
-    p.add_argument("--policy", default="all", help="attach policy: all or adaptive (default: all)")
+    p.add_argument("--policy", default="all", choices=("all", "adaptive"), help="attach policy: all or adaptive (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without offloading (no comparison)")
 
 
@@ -161,24 +162,23 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.runner import compare_losses, parse_mode, run_mode
     from gds_offload.errors import ConfigError
 
-    device = resolve_device(args.device)
     try:
+        device = resolve_device(args.device)
         spec = base_spec(args, device)
-        if args.steps % 2:
-            raise ConfigError(f"--steps {args.steps}: the offload run times pairs of an offloaded and a paused step; use an even number")
         offload_mode = f"adaptive:{args.mode}" if args.policy == "adaptive" else f"offload:{args.mode}"
         parse_mode(offload_mode)
+        spec = replace(spec, progress=True, paired=True, policy="all" if args.policy == "adaptive" else args.policy)
+        runs = ([] if args.no_baseline else ["keep"]) + [offload_mode]
+        check_runs(spec, runs)  # every argument, before the first child starts
     except (ConfigError, ValueError) as exc:
         print(f"gds-offload demo: {exc}", file=sys.stderr)
         return 2
-    spec = replace(spec, progress=True, paired=True, policy="all" if args.policy == "adaptive" else args.policy)
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)  # a file or a pipe: no 80-column wrapping
     title = (f"gds-offload demo: {spec.model} layers={spec.layers} hidden={spec.hidden} heads={spec.heads} "
              f"seq={spec.seq} batch={spec.batch} on {device}, {spec.warmup} warm-up + {spec.steps} steps per run")
     view = _LiveView(title)
-    runs = ([] if args.no_baseline else ["keep"]) + [offload_mode]
     results = []
     for i, mode in enumerate(runs, 1):
         with Live(view.render(), console=console, refresh_per_second=4) as live:  # one per run: each stays on screen
@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
             view.start_run(f"run {i}/{len(runs)}: {mode}")
             results.append(run_mode(replace(spec, mode=mode), on_event=view.on_event, timeout_s=args.timeout))
         view.live = None
+        if not console.is_terminal:
+            console.line()  # off a terminal, Live leaves its last frame without a line end
     by_mode = {r.mode: r for r in results}
     keep, off = by_mode.get("keep"), by_mode.get(offload_mode)
     agree = compare_losses(results).get(offload_mode) if keep is not None else None

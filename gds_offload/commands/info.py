@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from pathlib import Path
 
 HELP = "show which storage engine mode='auto' picks here, and why"
@@ -21,13 +22,13 @@ def collect(path: Path | None) -> dict[str, object]:
     from gds_offload import __version__
     from gds_offload.io import choose_engine, make_engine
     from gds_offload.io.kvikio_engine import kvikio_status
-    from gds_offload.store import SpillStore, default_spill_dir
+    from gds_offload.store import SpillStore, spill_dir_origin
 
-    path = path or default_spill_dir()
+    path, origin = (path, "--path") if path else spill_dir_origin()
     choice = choose_engine("auto", path)
     engine = make_engine(choice.engine)
     try:
-        store = SpillStore([path] if engine.needs_files else [], create_default=True)
+        store = SpillStore([path] if engine.needs_files else [], create=True, origin=origin)
         spill = store.files[0]
         spill_note = ("O_DIRECT" if spill.direct else "buffered") + (f" ({spill.note})" if spill.note else "")
         store.close()
@@ -52,7 +53,13 @@ def collect(path: Path | None) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    facts = collect(args.path)
+    from gds_offload.errors import ConfigError
+
+    try:
+        facts = collect(args.path)
+    except ConfigError as exc:
+        print(f"gds-offload info: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(facts, indent=2))
         return 0

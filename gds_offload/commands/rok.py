@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,16 +21,18 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gds_offload.commands.bench import positive_int
+
     p.add_argument("--model", default="gpt", help="gpt (built-in), llama, gpt2, or pkg.module:factory")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--layers", type=positive_int, default=6)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=256)
+    p.add_argument("--vocab", type=positive_int, default=4096)
     p.add_argument("--batches", type=_ints, default=[2, 4, 8], help="micro-batch sizes (default 2,4,8)")
     p.add_argument("--placements", default="keep,recompute,all,adaptive", help="subset of keep,recompute,all,adaptive")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per point")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per point (adaptive profiles in these)")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured steps per point")
+    p.add_argument("--warmup", type=positive_int, default=2, help="warm-up steps per point (adaptive profiles in these)")
     p.add_argument("--path", default=None, help="spill directory")
     p.add_argument("--max-bandwidth", default=None, help="cap the drive, e.g. 300MB/s (imitate a GPU:SSD ratio)")
     p.add_argument("--device", default="cpu")
@@ -39,32 +42,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from rich.console import Console
     from rich.table import Table
 
     from gds_offload.bench import rok
+    from gds_offload.bench.gpt import GPTConfig
     from gds_offload.bench.runner import RunSpec
+    from gds_offload.commands.bench import check_runs, resolve_device
     from gds_offload.errors import ConfigError
     from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
     console = Console()
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     bad = [p for p in placements if p not in rok.PLACEMENTS]
-    if bad:
-        console.print(f"[red]--placements: unknown {bad}; expected some of {', '.join(rok.PLACEMENTS)}")
+    if bad or not placements:
+        print(f"gds-offload rok: --placements: unknown {bad or '(none given)'}; expected some of {', '.join(rok.PLACEMENTS)}", file=sys.stderr)
         return 2
     try:
         memory = parse_bytes(args.memory, name="--memory") if args.memory else None
         if args.max_bandwidth:
             parse_bandwidth(args.max_bandwidth, name="--max-bandwidth")
+        device = resolve_device(args.device)
+        if args.model == "gpt":
+            GPTConfig(args.layers, args.hidden, args.heads, args.seq, args.vocab)  # heads must divide hidden
+        base = RunSpec(
+            mode="keep", model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+            vocab=args.vocab, steps=args.steps, warmup=args.warmup, path=args.path, max_bandwidth=args.max_bandwidth,
+            device=device,
+        )
+        modes = [rok.PLACEMENTS[p][0] for p in placements]
+        for batch in args.batches:  # every point, before the first one runs
+            check_runs(replace(base, batch=batch), modes)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
+        print(f"gds-offload rok: {exc}", file=sys.stderr)
         return 2
-    base = RunSpec(
-        mode="keep", model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-        vocab=args.vocab, steps=args.steps, warmup=args.warmup, path=args.path, max_bandwidth=args.max_bandwidth,
-        device=args.device,
-    )
     total = len(args.batches) * len(placements)
     t0 = time.perf_counter()
     with console.status(f"ROK sweep: {total} points") as status:

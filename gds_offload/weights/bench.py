@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.children import die_with_parent, reap, spawn
+
 __all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "TINY", "DEFAULT_MODEL", "run_bench", "run_child", "summarize"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
@@ -271,7 +273,12 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see bench/runner.py)
     cap = MemoryCap(memory_limit) if memory_limit else None
     cmd = [sys.executable, "-m", "gds_offload.weights.bench", "--child", json.dumps(asdict(spec))]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    except BaseException:
+        if cap is not None:
+            cap.close()
+        raise
     try:
         if cap is not None:
             cap.add(proc.pid)  # the child's pid; the child waits for "go" so nothing ran uncapped
@@ -281,6 +288,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
         out, err = proc.communicate()
         err = f"timed out after {timeout_s} s\n" + err
     finally:
+        reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
         rep = cap.close() if cap is not None else None
     rows = [json.loads(line[len(_PREFIX):]) for line in out.splitlines() if line.startswith(_PREFIX)]
     if proc.returncode != 0 or not rows:
@@ -358,6 +366,7 @@ def _child_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m gds_offload.weights.bench")
     p.add_argument("--child", required=True, help="a BenchSpec as JSON")
     args = p.parse_args(argv)
+    die_with_parent()
     spec_d = json.loads(args.child)
     spec = BenchSpec(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
     sys.stdin.readline()  # wait until the parent has put this process in its memory group

@@ -1,0 +1,325 @@
+"""The ``gds-offload`` commands at their edges: signals, arguments refused before any work, sizes
+that cannot fit, and what they print.
+
+Commands that train (``demo``, ``bench``, ``rok``, ``bench-weights``) run each mode in a child
+process; a termination signal to the command must stop and reap those children and leave
+nothing behind. Every bad argument is refused (exit 2, naming the flag) before the first child
+starts.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gds_offload.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "256", "--batch", "2",
+             "--warmup", "1", "--min-bytes", "0"]
+
+
+# ---------------------------------------------------------------------------- signals
+def _children(pid: int) -> list[int]:
+    """Every live descendant of ``pid``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="120")
+    return subprocess.Popen([sys.executable, "-m", "gds_offload.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_child(proc: subprocess.Popen[str], marker: str, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the command ended early: {proc.communicate()}"
+        kids = [k for k in _children(proc.pid) if marker in _cmdline(k)]
+        if kids:
+            return kids[0]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no child process running {marker} after {timeout_s} s")
+
+
+SIGNALLED = {
+    "demo": (["demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix"], "gds_offload.bench.runner"),
+    "bench": (["bench", *TINY_ARGS, "--steps", "100000", "--modes", "keep", "--out", "out.json", "--plot", "out.png"],
+              "gds_offload.bench.runner"),
+    "rok": (["rok", "--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "256", "--batches", "2",
+             "--placements", "keep", "--steps", "100000", "--warmup", "1", "--out", "rok.json", "--plot", "rok.png"],
+            "gds_offload.bench.runner"),
+    "bench-weights": (["bench-weights", "--tiny", "--modes", "resident", "--repeats", "100000", "--workdir", "{tmp}/wd"],
+                      "gds_offload.weights.bench"),
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "signum"),
+    [("demo", signal.SIGTERM), ("demo", signal.SIGHUP), ("demo", signal.SIGINT),
+     ("bench", signal.SIGTERM), ("rok", signal.SIGTERM), ("bench-weights", signal.SIGTERM)],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else v,
+)
+def test_termination_signal_stops_the_command_and_its_children(command: str, signum: signal.Signals, tmp_path) -> None:
+    """The signal reaches the running child, which is reaped; the command prints one line, exits
+    128 + the signal number, and leaves no process and no file (before: SIGTERM orphaned the
+    child, which kept training; SIGINT printed a traceback)."""
+    if command == "bench-weights":
+        pytest.importorskip("transformers")
+    spill, cwd = tmp_path / "spill", tmp_path / "cwd"
+    spill.mkdir(mode=0o700)
+    cwd.mkdir()
+    args, marker = SIGNALLED[command]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if command != "bench-weights":
+        args += ["--path", str(spill)]
+    proc = _start(args, cwd)
+    child = _wait_for_child(proc, marker)
+    time.sleep(1.5)  # the child is training now
+    family = _children(proc.pid)
+    assert child in family
+    proc.send_signal(signum)
+    try:
+        _out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 128 + signum, (proc.returncode, err[-2000:])
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _alive(p)], "a child outlived the command"
+    lines = [line for line in err.strip().splitlines() if "it/s]" not in line]  # save_pretrained's progress bar
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert signum.name in lines[0] and command in lines[0], lines
+    assert os.listdir(spill) == [] and os.listdir(cwd) == []
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(command: str, monkeypatch, capsys) -> None:
+    import importlib
+
+    module = importlib.import_module(COMMANDS[command])
+
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "run", interrupted)
+    argv = [command] + (["in", "out"] if command == "convert" else [])
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and command in err, err
+
+
+def test_ctrl_c_in_gds_check_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
+    import gds_offload.check.cli as check_cli
+
+    def interrupted(*_a: object, **_kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(check_cli, "collect_node", interrupted)
+    assert check_cli.main(["--no-bench"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gds-check" in err and "interrupted" in err, err
+
+
+# ---------------------------------------------------------------------------- demo output
+@pytest.mark.parametrize("steps", [1, 3])
+def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, capsys) -> None:
+    """An odd count runs: its last measured step is offloaded and unpaired (before: ``--steps 3``
+    was refused with "use an even number")."""
+    rc = main(["demo", *TINY_ARGS, "--steps", str(steps), "--mode", "posix", "--path", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    pairs = steps // 2
+    assert (f"same process ({pairs} pair)" in text) == (pairs == 1), text
+    assert "even number" not in text
+
+
+def test_demo_frames_end_their_lines(tmp_path, capsys) -> None:
+    """Each run's last frame ends its line before the next run's header (before: "...┘gds-offload demo: ...")."""
+    assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    for line in text.splitlines():
+        stripped = line.rstrip()
+        assert "┘" not in stripped or stripped.endswith("┘"), line
+    assert sum(line.startswith("gds-offload demo: ") for line in text.splitlines()) == 2, text
+
+
+# ---------------------------------------------------------------------------- arguments, before any work
+class _WorkStarted(Exception):
+    """Raised by the stand-ins of the functions that start the real work."""
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any child run, engine measurement or weight benchmark fails the test: arguments must be refused first."""
+    import gds_offload.weights.bench as weights_bench
+    from gds_offload.bench import io_bench, rok, runner
+
+    def started(*_a: object, **_kw: object) -> None:
+        raise _WorkStarted("work started before the arguments were checked")
+
+    for module, name in ((runner, "run_mode"), (rok, "run_mode"), (io_bench, "run_bench"), (weights_bench, "run_bench")):
+        monkeypatch.setattr(module, name, started)
+
+
+def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+ZERO_OR_NEGATIVE = [
+    *[["demo", flag, value] for flag in ("--layers", "--batch", "--seq", "--hidden", "--vocab", "--heads", "--steps", "--warmup")
+      for value in ("0", "-3")],
+    ["bench", "--layers", "0"], ["bench", "--rounds", "0"], ["bench", "--timeout", "0"],
+    ["rok", "--layers", "0"], ["rok", "--steps", "0"], ["rok", "--heads", "-1"],
+    ["bench-io", "--tensor-sizes", "0"], ["bench-io", "--repeats", "0"], ["bench-io", "--tensor-sizes", "1MiB,0"],
+    ["bench-io", "--size", "0"], ["bench-io", "--chunk-sizes", "0"],
+    ["bench-weights", "--hidden", "0"], ["bench-weights", "--prompt-len", "0"], ["bench-weights", "--new-tokens", "0"],
+    ["bench-weights", "--layers", "-1"], ["bench-weights", "--batch-sizes", "1,0"], ["bench-weights", "--slots", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", ZERO_OR_NEGATIVE, ids=" ".join)
+def test_zero_and_negative_sizes_are_errors_naming_the_flag(argv: list[str], no_work: None, capsys) -> None:
+    """Zero never means "the default" (before: demo --layers 0 ran the full default model;
+    bench-io --tensor-sizes 0 skipped every engine and exited 0)."""
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert argv[1] in text, text
+
+
+LATE = [
+    (["--path", "{file}"], "--path"),
+    (["--policy", "bogus"], "--policy"),
+    (["--keep-last", "-1"], "--keep-last"),
+    (["--num-threads", "0"], "--num-threads"),
+    (["--device", "tpu"], "--device"),
+    (["--model", "bogus"], "--model"),
+    (["--model", "no_such_module_here:make"], "--model"),
+    (["--min-bytes", "lots"], "--min-bytes"),
+    (["--max-bandwidth", "fast"], "--max-bandwidth"),
+]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "rok"])
+@pytest.mark.parametrize(("extra", "flag"), LATE, ids=[f for _, f in LATE])
+def test_bad_arguments_refused_before_any_run(command: str, extra: list[str], flag: str, tmp_path, no_work: None, capsys) -> None:
+    """Every argument is checked before the first child starts (before: a bad --path, --policy,
+    --keep-last, --num-threads, --device or --model showed up only after the keep baseline ran)."""
+    if command == "rok" and flag in ("--policy", "--keep-last", "--num-threads", "--min-bytes"):
+        pytest.skip(f"rok has no {flag}")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    extra = [e.replace("{file}", str(afile)) for e in extra]
+    size = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--vocab", "64"]
+    argv = {"demo": ["demo", *size, "--batch", "1"], "bench": ["bench", *size, "--batch", "1", "--modes", "keep,offload:posix",
+                                                               "--out", "", "--plot", ""],
+            "rok": ["rok", *size, "--batches", "1", "--placements", "keep,all", "--out", str(tmp_path / "r.json"),
+                    "--plot", str(tmp_path / "r.png")]}[command] + extra
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert flag in text, text
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "rok"])
+def test_a_model_that_cannot_fit_is_refused_with_the_estimate(command: str, tmp_path, no_work: None, capsys) -> None:
+    """Sizes are checked against the memory there is before anything runs, and the message
+    gives the estimate (before: the children started and died, or swapped the machine)."""
+    size = ["--layers", "8", "--hidden", "4096", "--heads", "32", "--seq", "4096", "--vocab", "32000"]
+    argv = {"demo": ["demo", *size, "--batch", "64", "--device", "cpu"],
+            "bench": ["bench", *size, "--batch", "64", "--modes", "keep", "--out", "", "--plot", "", "--device", "cpu"],
+            "rok": ["rok", *size, "--batches", "64", "--placements", "keep", "--out", str(tmp_path / "r.json"),
+                    "--plot", str(tmp_path / "r.png")]}[command]
+    code, text = _exit_code(argv, capsys)
+    assert code == 2, text
+    assert "keep needs about" in text and "is available (MemAvailable" in text and "--batch" in text, text
+
+
+def test_memory_estimate_matches_a_measured_keep_run() -> None:
+    """The estimate the refusal relies on is within a factor of 1.5 of a measured peak."""
+    from gds_offload.bench.gpt import GPTConfig, estimate_memory
+    from gds_offload.bench.runner import RunSpec, run_here
+
+    spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=8, steps=2, warmup=1)
+    measured = run_here(spec, emit=lambda _e: None).peak_activation_bytes
+    est = estimate_memory(GPTConfig(3, 128, 2, 128, 2048), 8).activation_bytes
+    assert measured is not None and est / 1.5 < measured < est * 1.5, (measured, est)
+
+
+# ---------------------------------------------------------------------------- bench-io
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: None, capsys) -> None:
+    """bench-io checks free space first (before: it filled the drive, then died with a raw CalledProcessError)."""
+    from models import tmpfs
+
+    with tmpfs(tmp_path / "small", "16m") as small:
+        code, text = _exit_code(["bench-io", "--path", str(small), "--size", "64MiB", "--engines", "posix"], capsys)
+        assert os.listdir(small) == []
+    assert code == 2 and "--size" in text and "free" in text, text
+
+
+def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> None:
+    """The raw fio/dd pass writes an unnamed file (O_TMPFILE, or unlinked at once): nothing has a
+    name while it runs, so a kill -9 leaves nothing behind (before: a 64 MiB named file)."""
+    from gds_offload.bench import io_bench
+
+    seen: list[tuple[list[str], list[str]]] = []
+    real_run = subprocess.run
+
+    def watching(cmd, *a, **kw):
+        seen.append((list(cmd), os.listdir(spill_dir)))
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(io_bench.subprocess, "run", watching)
+    try:
+        raw = io_bench.raw_direct_bandwidth(spill_dir, 1 << 20)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the raw tool cannot run O_DIRECT here: {exc.stderr}")
+    assert raw["write_gbps"] > 0 and raw["read_gbps"] > 0
+    assert len(seen) == 2 and all(listing == [] for _, listing in seen), seen
+    assert all(any("/proc/self/fd/" in part for part in cmd) for cmd, _ in seen), seen
+    assert os.listdir(spill_dir) == []
