@@ -12,6 +12,9 @@
 #   check    gds-check --json (with bandwidth)             -> OUTDIR/gds-check.json
 #   bench    python -m gds_offload.cli bench --device cuda --out OUTDIR/bench.json
 #            (an "unknown command" answer is recorded, not fatal)
+#   bench-weights  python -m gds_offload.cli bench-weights --device cuda (a 90 MB model: resident,
+#            streamed from the drive into GPU slots, pinned host tier, Accelerate disk offload;
+#            outputs compared with resident)         -> OUTDIR/bench-weights.json, .png, .log
 # and one summary, OUTDIR/gpu_check.json: nvidia-smi output, versions, and each part's
 # command, exit code and duration.
 #
@@ -205,6 +208,20 @@ else
         # The subcommand is not in this version: record it and go on.
         sed -i -E 's/^(bench\t[0-9]+\t[^\t]*\t)[^\t]*/\1unknown command/' "$PARTS"
     fi
+fi
+
+# ---- weights benchmark (streamed inference on the GPU) ----------------------------------------
+# Small enough for its 60 s (four children, each importing torch and CUDA); the store goes to
+# GDS_TEST_DIR (an NVMe directory) when set, so the drive mode can use GPUDirect Storage there.
+WEIGHTS_WORK="${GDS_TEST_DIR:-$OUTDIR}/gds_offload-bench-weights-$$"
+WBENCH=("$PY" -m gds_offload.cli bench-weights --device cuda --hidden 512 --intermediate 1408 --layers 8
+        --vocab 8000 --batch-sizes 1,8 --prompt-len 32 --new-tokens 5 --raw-depths 4,16
+        --workdir "$WEIGHTS_WORK" --out "$OUTDIR/bench-weights.json")
+if [ "$DRY_RUN" = 1 ]; then
+    skip_part bench-weights "${WBENCH[@]}"
+else
+    run_part bench-weights 60 "$OUTDIR/bench-weights.log" "${WBENCH[@]}"
+    rm -rf "$WEIGHTS_WORK"
 fi
 
 # ---- summary ---------------------------------------------------------------------------
