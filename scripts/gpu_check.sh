@@ -12,6 +12,9 @@
 #   check    gds-check --json (with bandwidth)             -> OUTDIR/gds-check.json
 #   bench    python -m gds_offload.cli bench --device cuda (a small explicit GPT, see BENCH)
 #            --out OUTDIR/bench.json
+#   bench-weights  python -m gds_offload.cli bench-weights --device cuda (a 90 MB model: resident,
+#            streamed from the drive into GPU slots, pinned host tier, Accelerate disk offload;
+#            outputs compared with resident)         -> OUTDIR/bench-weights.json, .png, .log
 # and one summary, OUTDIR/gpu_check.json: nvidia-smi output, versions, and each part's
 # command, exit code and duration.
 #
@@ -59,9 +62,9 @@ log() { echo "gpu_check: $*" >&2; }
 
 # Every part gets its own limit, and none runs past the whole script's deadline. The limits
 # add up to the budget by construction (checked here, and by the dry run's summary).
-LIMIT_SMI=10 LIMIT_INSTALL=90 LIMIT_PYTEST=150 LIMIT_CHECK=50 LIMIT_BENCH=150
+LIMIT_SMI=10 LIMIT_INSTALL=90 LIMIT_PYTEST=140 LIMIT_CHECK=40 LIMIT_BENCH=110 LIMIT_WEIGHTS=60
 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
-PART_LIMITS_S=$(( LIMIT_SMI + LIMIT_INSTALL + LIMIT_PYTEST + LIMIT_CHECK + LIMIT_BENCH ))
+PART_LIMITS_S=$(( LIMIT_SMI + LIMIT_INSTALL + LIMIT_PYTEST + LIMIT_CHECK + LIMIT_BENCH + LIMIT_WEIGHTS ))
 if [ "$PART_LIMITS_S" -gt "$BUDGET_S" ]; then
     echo "gpu_check: the part limits add up to ${PART_LIMITS_S}s, over the ${BUDGET_S}s budget" >&2
     exit 64
@@ -226,6 +229,20 @@ else
         # The subcommand is not in this version: record it and go on.
         sed -i -E 's/^(bench\t[0-9]+\t[^\t]*\t)[^\t]*/\1unknown command/' "$PARTS"
     fi
+fi
+
+# ---- weights benchmark (streamed inference on the GPU) ----------------------------------------
+# Small enough for its 60 s (four children, each importing torch and CUDA); the store goes to
+# GDS_TEST_DIR (an NVMe directory) when set, so the drive mode can use GPUDirect Storage there.
+WEIGHTS_WORK="${GDS_TEST_DIR:-$OUTDIR}/gds_offload-bench-weights-$$"
+WBENCH=("$PY" -m gds_offload.cli bench-weights --device cuda --hidden 512 --intermediate 1408 --layers 8
+        --vocab 8000 --batch-sizes 1,8 --prompt-len 32 --new-tokens 5 --raw-depths 4,16
+        --workdir "$WEIGHTS_WORK" --out "$OUTDIR/bench-weights.json")
+if [ "$DRY_RUN" = 1 ]; then
+    skip_part bench-weights "${WBENCH[@]}"
+else
+    run_part bench-weights "$LIMIT_WEIGHTS" "$OUTDIR/bench-weights.log" "${WBENCH[@]}"
+    rm -rf "$WEIGHTS_WORK"
 fi
 
 # ---- summary ---------------------------------------------------------------------------

@@ -312,3 +312,24 @@ def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: 
         load_streamed(_skeleton(dirs[0]), dirs[0])
     with torch.no_grad(), load_streamed(_skeleton(dirs[0]), dirs) as h:
         assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+
+
+@pytest.mark.skipif(not __import__("gds_offload.io.kvikio_engine", fromlist=["kvikio_status"]).kvikio_status()[0],
+                    reason="KvikIO unusable here (needs kvikio-cu12 and libcuda.so.1)")  # fmt: skip
+def test_kvikio_compat_reads_into_the_host_ring(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    # The engine a GPU uses (KvikIO CuFile.pread), here into host slots; the store is opened read-only.
+    with torch.no_grad(), load_streamed(_skeleton(store), store, engine="compat", verify=True) as h:
+        want = _resident(ckpt)(ids).logits
+        for _ in range(2):
+            assert torch.equal(h(ids).logits, want)
+        s = h.stats()
+    assert "KvikIO" in s.engine and s.ring == "host" and s.misses == 0 and s.loads == [2] * LAYERS
+
+
+def test_device_and_engine_arguments_are_checked(store: Path) -> None:
+    cases = [({"engine": "hots"}, "did you mean 'host'"), ({"engine": "host"}, "use tier='host'"), ({"device": "mps"}, "device=mps")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, r"needs an NVIDIA GPU, but torch.cuda.is_available\(\) is False"))
+    for kw, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            load_streamed(_skeleton(store), store, **kw)

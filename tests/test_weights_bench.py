@@ -23,21 +23,33 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     try:
         rc = cli_main(["bench-weights", "--tiny", "--modes", "resident,drive,accelerate-disk", "--batch-sizes", "2",
-                       "--workdir", str(work), "--json", str(out)])  # fmt: skip
+                       "--raw-depths", "2", "--workdir", str(work), "--out", str(out)])  # fmt: skip
     finally:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    report = json.loads(out.read_text())
-    rows = {r["mode"]: r for r in report["results"]}
+    doc = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in doc["results"]}
     assert rc == 0 and set(rows) == {"resident", "drive", "accelerate-disk"}
     for r in rows.values():
         assert r["status"] == "ok" and r["matches_resident"] is True, r
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and len(r["tokens"][0]) == 4
-    # The drive mode reads every layer once per forward: 1 prefill + 3 decode steps, over (16 + 3) tokens of 2 sequences.
-    forwards, tokens = 4, 2 * (16 + 3)
-    assert rows["drive"]["store_bytes_per_token"] == pytest.approx(forwards * report["model"]["layers_nbytes"] / tokens)
-    assert report["command"].startswith("gds-offload bench-weights --tiny")
+        assert 0 <= r["cached_fraction_before"] < 0.5
+    # The drive mode fills every layer once per forward (the next forward's first layers are prefetched at the end of each).
+    assert rows["drive"]["store_bytes_per_forward"] == doc["model"]["layers_nbytes"]
+    assert [p["when"] for p in doc["raw_read"]] == ["before", "after"] and all(p["bytes_per_s"] > 0 for p in doc["raw_read"])
+    # What gds-offload report renders.
+    assert doc["kind"] == "table" and doc["command"].startswith("gds-offload bench-weights --tiny")
+    assert {"title", "about", "commit", "machine", "started", "wall_s"} <= set(doc) and doc["plot"] == out.with_suffix(".png").as_posix()
+    assert out.with_suffix(".png").stat().st_size > 0
+    table = doc["table"]
+    assert len(table["columns"]) == len(table["rows"][0]) and [r[0] for r in table["rows"]] == ["resident", "streamed-drive", "accelerate-disk"]
+    assert all(isinstance(v, str) for row in table["rows"] for v in row) and table["rows"][1][-1] == "yes"
+    assert {t["target"].split(":")[0] for t in doc["targets"]} == {"decode batch 1"}  # batch 2 only: no batch >= 8 targets
+    from gds_offload.bench.report import Section, render_section
+
+    page = "\n".join(render_section(Section(out, doc), tmp_path))
+    assert "| streamed-drive | 2 |" in page and "gds-offload bench-weights --tiny" in page
 
 
 def test_memory_cap_refuses_the_caller_itself(tmp_path: Path) -> None:

@@ -3,8 +3,12 @@ drive or host memory by :mod:`gds_offload.weights`, and under Accelerate's disk 
 each mode in its own process (:mod:`gds_offload.weights.bench`). Examples::
 
     gds-offload bench-weights --tiny                                  # seconds: the end-to-end check
-    gds-offload bench-weights --batch-sizes 1,4 --json results/weights.json
-    gds-offload bench-weights --memory-limit 1GiB                     # each child in a cgroup v1 memory cap
+    gds-offload bench-weights --memory-limit 1.2GiB --out docs/results/weights-cpu.json
+    gds-offload bench-weights --tiny --device cuda --modes resident,drive,host --out /tmp/w.json
+
+``--out`` writes the result file ``gds-offload report`` renders (and a PNG next to it, or at
+``--plot``). Exit status: 0 every mode ran and matched the resident outputs, 1 one did not,
+2 a usage error.
 """
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
 
@@ -33,21 +39,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model, short prompt: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")
-    p.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default 1024)")
-    p.add_argument("--intermediate", type=positive_int, default=None, help="MLP size (default 2816)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default 2048)")
+    p.add_argument("--intermediate", type=positive_int, default=None, help="MLP size (default 5632)")
     p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default 16)")
+    p.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (default 16000)")
     p.add_argument("--dtype", default=None, help="float32 (default) or bfloat16")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,4)")
-    p.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens (default 128)")
-    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per sequence (default 16)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,8,64)")
+    p.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per sequence, the first by the prefill (default 3)")
     p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved; medians are shown (default 1)")
-    p.add_argument("--repeats", type=positive_int, default=2, help="measurements per batch size inside each child (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="measurements per batch size inside each child (default 1)")
     p.add_argument("--slots", type=positive_int, default=2, help="ring buffers of the drive mode (default 2)")
-    p.add_argument("--threads", type=positive_int, default=4, help="engine threads of the streamed modes (default 4)")
+    p.add_argument("--threads", type=positive_int, default=None, help="engine threads of the streamed modes (default: 4 on the CPU, the engine's on a GPU)")
+    p.add_argument("--engine", default="auto", help="engine of the drive mode: auto, gds, compat, posix (default auto)")
+    p.add_argument("--raw-depths", default="1,4,8", help="requests in flight of the raw O_DIRECT read passes (default 1,4,8)")
     p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default <tmp>/gds_offload-bench-weights)")
-    p.add_argument("--memory-limit", default=None, help="cap each child's memory (page cache included), e.g. 1GiB, except resident's (the reference outputs); needs root and cgroup v1")
-    p.add_argument("--json", metavar="OUT", default=None, help="write the report as JSON to OUT ('-': print it instead of the table)")
+    p.add_argument("--memory-limit", default=None, help="cap the drive and accelerate-disk children (page cache included), e.g. 1.2GiB; needs root and cgroup v1")
+    p.add_argument("--out", "--json", dest="out", metavar="OUT", default=None, help="write the result file (JSON) to OUT ('-': print it instead of the table)")
+    p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size (default: OUT with .png; '' for none)")
+    p.add_argument("--title", default=None, help="the result's title on the performance page")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,57 +72,89 @@ def run(args: argparse.Namespace) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise ConfigError(f"--modes {args.modes!r}: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(MODES)}")
+        if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+            raise ConfigError(f"--device {args.device!r}: expected cpu or cuda")
         model = TINY if args.tiny else DEFAULT_MODEL
-        model = replace(model, **{k: v for k, v in (("hidden", args.hidden), ("intermediate", args.intermediate), ("layers", args.layers), ("dtype", args.dtype)) if v is not None})
-        defaults = ((1, 2), 16, 4) if args.tiny else ((1, 4), 128, 16)
+        over = (("hidden", args.hidden), ("intermediate", args.intermediate), ("layers", args.layers), ("vocab", args.vocab), ("dtype", args.dtype))
+        model = replace(model, **{k: v for k, v in over if v is not None})
+        defaults = ((1, 2), 16, 4) if args.tiny else ((1, 8, 64), 16, 3)
         batches = args.batch_sizes or defaults[0]
+        depths = tuple(int(d) for d in args.raw_depths.split(","))
         workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
-        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=defaults[1] if args.prompt_len is None else args.prompt_len,
-                         new_tokens=defaults[2] if args.new_tokens is None else args.new_tokens, slots=args.slots, num_threads=args.threads, repeats=args.repeats)  # fmt: skip
+        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=args.prompt_len or defaults[1],
+                         new_tokens=args.new_tokens or defaults[2], slots=args.slots, num_threads=args.threads,
+                         repeats=args.repeats, engine=args.engine, device=args.device)  # fmt: skip
         limit = parse_bytes(args.memory_limit, name="--memory-limit") if args.memory_limit else None
-        if args.rounds < 1 or args.repeats < 1:
-            raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats}: both must be at least 1")
-        report = run_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, checkpoint=args.checkpoint)
+        if args.rounds < 1 or args.repeats < 1 or spec.new_tokens < 2 or min(batches) < 1 or min(depths) < 1:
+            raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats} --batch-sizes {batches} --raw-depths {depths}: at least 1 each; --new-tokens {spec.new_tokens}: at least 2")
+    except (ConfigError, ValueError) as exc:
+        print(f"gds-offload bench-weights: {exc}")
+        return 2
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    started = time.time()
+    try:
+        report = run_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, checkpoint=args.checkpoint,
+                           raw_depths=depths, progress=lambda text: console.log(text))  # fmt: skip
     except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}", file=sys.stderr)
         return 2
-    report["command"] = getattr(args, "command_line", "gds-offload bench-weights")
-    from gds_offload.bench.machine import describe
-
-    report["machine"] = describe(workdir)
-    if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-    if args.json == "-":
-        print(json.dumps(report, indent=2, default=str))
+    doc = _document(args, report, started, workdir)
+    if args.out and args.out != "-":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if args.out == "-":
+        print(json.dumps(doc, indent=2, default=str))
     else:
-        render(report)
+        render(doc)
     failed = [r for r in report["summary"] if r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False]
     return 1 if failed else 0
 
 
-def render(report: dict) -> None:
-    """Print the per-mode medians as a rich table (peak mem: the cgroup's peak, page cache included,
-    under --memory-limit; else the child's peak RSS)."""
+def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path) -> dict[str, Any]:
+    from gds_offload.bench.machine import describe_machine
+    from gds_offload.bench.report import current_commit
+    from gds_offload.units import format_bytes
+    from gds_offload.weights.bench_doc import document, plot
+
+    m, spec = report["model"], report["spec"]
+    size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])
+    cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
+    raw = max((r["bytes_per_s"] for r in report["raw_read"]), default=0) / 1e9
+    about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
+             f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
+             f"resident and streamed-host uncapped (they hold every weight in memory); {spec['rounds']} round(s) interleaved, medians. "
+             f"The drive's raw O_DIRECT read rate in the same run: {raw:.2f} GB/s. On the resident row, x Accelerate is the ceiling "
+             f"a streamer that cost nothing would reach.")  # fmt: skip
+    title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"
+    plot_path = None
+    if args.out and args.out != "-" and args.plot != "":
+        target = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+        try:
+            plot(report, target, title=title)
+            plot_path = target.as_posix()
+        except ImportError as exc:
+            print(f"gds-offload bench-weights: no plot: {exc}")
+    started_s = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
+    return document(report, title=title, about=about, command=getattr(args, "command_line", "gds-offload bench-weights"), commit=current_commit(),
+                    machine=describe_machine(workdir).as_dict(), started=started_s, wall_s=time.time() - started, plot_path=plot_path)  # fmt: skip
+
+
+def render(doc: dict[str, Any]) -> None:
+    """Print the result's table and targets (rich)."""
     from rich.console import Console
     from rich.table import Table
 
-    from gds_offload.units import format_bytes
-
-    m = report["model"]
-    t = Table(title=f"bench-weights: {m['layers']} layers, hidden {m['hidden']}, {m['dtype']}, "
-                    f"{format_bytes(m['layers_nbytes'])} of layers + {format_bytes(m['resident_nbytes'])} resident")  # fmt: skip
-    for col in ("mode", "B", "prefill tok/s", "decode tok/s", "drive B/tok", "store B/tok", "peak mem", "=res"):
+    t = Table(title=doc["title"], caption=doc["about"])
+    for col in doc["table"]["columns"]:
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
-
-    def num(v: float | None, fmt: str = "{:.1f}") -> str:
-        return "-" if v is None else fmt.format(v)
-
-    for r in report["summary"]:
-        if not r["rounds_ok"]:
-            t.add_row(r["mode"], str(r["batch"]), f"[red]{(r['errors'] or ['?'])[0][:60]}[/]", "", "", "", "", "")
-            continue
-        t.add_row(r["mode"], str(r["batch"]), num(r["prefill_tokens_per_s"]), num(r["decode_tokens_per_s"]),
-                  format_bytes(r["drive_bytes_per_token"]), "-" if r["store_bytes_per_token"] is None else format_bytes(r["store_bytes_per_token"]),
-                  format_bytes(r["cgroup_peak_bytes"] or r["peak_rss_bytes"]), {True: "yes", False: "[red]no[/]", None: "-"}[r["matches_resident"]])  # fmt: skip
-    Console().print(t)
+    for row in doc["table"]["rows"]:
+        t.add_row(*row)
+    console = Console(width=max(160, Console().width))
+    console.print(t)
+    for x in doc["targets"]:
+        verdict = {True: "[green]met[/]", False: "[red]not met[/]", None: "not measured"}[x["met"]]
+        value = "-" if x["value"] is None else f"{x['value']:.2f}"
+        ceiling = f" (resident: {x['ceiling']:.2f})" if x.get("ceiling") else ""
+        console.print(f"target {x['target']} >= {x['need']}: {value} {verdict}{ceiling}")

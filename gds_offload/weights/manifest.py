@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gds_offload.weights.errors import StoreFormatError
+from gds_offload.weights.errors import ConfigMismatchError, StoreFormatError
 
 __all__ = [
     "FORMAT",
@@ -43,6 +43,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "canonical_config",
+    "check_config",
     "config_fingerprint",
     "read_manifest",
 ]
@@ -275,3 +276,28 @@ def _diff_dict(d: dict[str, Any]) -> dict[str, Any]:
         return AutoConfig.for_model(model_type, **rest).to_diff_dict()
     except (ValueError, TypeError, KeyError):  # a model type transformers does not know
         return d
+
+
+def check_config(model: Any, manifest: Manifest, store: Path) -> None:
+    """Refuse a model whose ``config`` is not the one the store at ``store`` was converted from
+    (no check when either has none).
+
+    Raises:
+        ConfigMismatchError: names the differing keys and how to build the right model.
+    """
+    cfg = getattr(model, "config", None)
+    if manifest.config_sha256 is None or cfg is None or not hasattr(cfg, "to_dict"):
+        return
+    if config_fingerprint(cfg) == manifest.config_sha256:
+        return
+    ours, theirs = canonical_config(cfg) or {}, {}
+    saved = store / "config.json"
+    if saved.is_file():
+        theirs = canonical_config(saved) or {}
+    diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    shown = ", ".join(f"{k}: model {ours.get(k)!r}, store {theirs.get(k)!r}" for k in diff[:6]) or "see the two configs"
+    raise ConfigMismatchError(
+        f"the model's config (sha256 {config_fingerprint(cfg)[:12]}...) is not the one the weight store at {store} was converted "
+        f"from (sha256 {manifest.config_sha256[:12]}...): {shown}. Build the model from {saved} "
+        f"(AutoConfig.from_pretrained({str(store)!r})), or convert this model's checkpoint"
+    )

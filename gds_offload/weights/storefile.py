@@ -11,6 +11,7 @@ import errno
 import os
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,38 +109,44 @@ def _open_read(path: Path, *, direct: bool) -> tuple[int, bool, str]:
         raise StoreFormatError(f"{path} is missing: the store is incomplete; convert the checkpoint again") from None
 
 
-def read_group(engine: Engine, files: StoreFiles, group: GroupEntry, dst: torch.Tensor, *, verify: bool = False) -> IOFuture:
-    """Start reading ``group`` into ``dst[:group.nbytes]`` (``dst``: page-aligned, at least
-    ``group.padded_nbytes`` long, its storage owned by it). Returns at once.
+def read_group(
+    engine: Engine, files: StoreFiles, group: GroupEntry, dst: torch.Tensor, *, verify: bool = False, ready: Any = None
+) -> IOFuture:
+    """Start reading ``group`` into ``dst`` (a page-aligned uint8 tensor, host or device, at
+    least ``group.padded_nbytes`` long, its storage owned by it). Returns at once.
+
+    The whole padded range is read (one aligned request: ``O_DIRECT`` and cuFile's direct
+    path move it without bouncing); the data are ``dst[:group.nbytes]``. ``ready``: a CUDA
+    event the engine waits for before it writes ``dst`` (a kernel may still read it).
 
     The future fails with :class:`~gds_offload.errors.OffloadError` on an I/O error or a
     short read, and, with ``verify``, with :class:`StoreCorruptError` naming the layer when
     the bytes' xxh3-64 differs from the manifest's (hashed on the engine thread that
-    completed the read, before the future is done).
+    completed the read, before the future is done; device bytes are copied to host for it).
 
     .. note:: Buffer ownership: the caller keeps ``dst`` alive and untouched until the future is done.
     """
     assert dst.numel() >= group.padded_nbytes and dst.data_ptr() % GROUP_ALIGN == 0, "read_group needs a page-aligned buffer of the padded size"
-    target = dst[: group.nbytes]
     if group.nbytes == 0:
         return IOFuture.completed(0)
+    span = dst[: group.padded_nbytes]
     out: Future[int] = Future()
 
     def check(done: IOFuture) -> None:
         try:
             moved = done.wait(0)
-            if moved != group.nbytes:
-                raise OffloadError(f"short read of {group.describe()}: {moved} of {group.nbytes} bytes")
+            if moved != group.padded_nbytes:
+                raise OffloadError(f"short read of {group.describe()}: {moved} of {group.padded_nbytes} bytes")
             if verify:
-                actual = checksum(target)
+                actual = checksum(dst[: group.nbytes])
                 if actual != group.xxh3_64:
                     raise corrupt_error(group, files, f"xxh3-64 {actual:016x}, expected {group.xxh3_64:016x}")
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             out.set_exception(exc)
             return
-        out.set_result(moved)
+        out.set_result(group.nbytes)
 
-    engine.read(target, files.slot(group)).add_done_callback(check)
+    engine.read(span, files.slot(group), ready=ready).add_done_callback(check)
     return IOFuture(out, group.nbytes)
 
 

@@ -1,32 +1,33 @@
 """Streaming a model's layers from a weight store for inference: :func:`load_streamed`.
 
 The resident group (embeddings, final norm, ``lm_head``) and the first
-``resident_layers`` layers are read once into host memory and become the model's
-tensors. Every other layer lives on the drive (``tier="drive"``) and, for its forward
-only, in one of ``slots`` preallocated, page-aligned ring buffers, each the size of the
-largest layer.
+``resident_layers`` layers are read once and become the model's tensors, on ``device``.
+Every other layer lives on the drive (``tier="drive"``) or in host memory (``tier="host"``
+on a GPU) and, for its forward only, in one of ``slots`` preallocated ring buffers on
+``device``, each the size of the largest layer (:mod:`gds_offload.weights.ring`: how a
+slot is filled and what orders a layer's kernels after its fill and before the slot's
+next fill, on the CPU and on CUDA).
 
 Hook contracts (both run on the thread that calls the model, and may block it):
 
 * ``_pre(layer_module, args)``, a forward pre-hook on each streamed layer: waits for the
-  layer's read (issued earlier), or, if the layer is not the one predicted, waits for the
-  reads in flight, drops them and reads it now (a *miss*); points every parameter of the
-  layer at its slot (views, no copy); then issues reads of the next layers, in layer
-  order and wrapping around to the first streamed layer (the next decode step), into
-  every free slot.
+  layer's fill (issued earlier; on CUDA, a stream wait where the fill is a copy), or, if
+  the layer is not the one predicted, waits for the fills in flight, drops them and
+  fills it now (a *miss*); points every parameter of the layer at its slot (views, no
+  copy); then starts filling the next layers, in layer order and wrapping around to the
+  first streamed layer (the next decode step), into every free slot.
 * ``_post(layer_module, args, output)``, a forward hook: puts the meta placeholders back
-  (a layer's parameters are real only during its forward), frees its slot and fills it
-  with the next read.
+  (a layer's parameters are real only during its forward), releases its slot (on CUDA:
+  records an event after the layer's queued kernels) and fills it with the next layer.
 
-Invariant: a slot is written by a read only while no layer's parameters view it, so a
-layer always computes with exactly the bytes the store holds for it (``torch.equal`` to
-the resident model's outputs). Reads go through
-:class:`~gds_offload.io.posix.PosixEngine` (``O_DIRECT`` ``pread`` on its thread pool, in
-place into the slot). With ``verify`` each read's xxh3-64 is checked on the engine thread
+Invariant: a slot is written only while no layer's parameters view it and, on CUDA,
+only after the kernels of the last layer that used it have finished, so a layer always
+computes with exactly the bytes the store holds for it (``torch.equal`` to the resident
+model's outputs). With ``verify`` each read's xxh3-64 is checked on the engine thread
 before the layer may use it.
 
-``tier="host"``: every layer is read once, at load, into host memory, and the parameters
-point straight at it (on the CPU a copy into a ring would only move bytes the model can
+``tier="host"`` on the CPU: every layer is read once, at load, into host memory, and the
+parameters point straight at it (a copy into a ring would only move bytes the model can
 use where they are); nothing happens per forward.
 
 .. warning:: One forward at a time, inference only
@@ -49,18 +50,20 @@ import torch
 from torch import nn
 
 from gds_offload.errors import ConfigError, OffloadError
-from gds_offload.io.base import IOFuture
+from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
+from gds_offload.io.select import validate_mode
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
-from gds_offload.weights.errors import ConfigMismatchError, StoreCorruptError
-from gds_offload.weights.manifest import GroupEntry, Manifest, canonical_config, config_fingerprint, read_manifest
+from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
+from gds_offload.weights.ring import Fill, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
 
 __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
 
 Tier = Literal["drive", "host"]
-#: Engine threads for the reads (a layer is split into 8 MiB chunks over them). Not tuned: half
-#: the posix engine's default, since these reads compete with the model for a small VM's cores.
+#: Engine threads for the reads on the CPU (a layer is split into 8 MiB chunks over them).
+#: Half the posix engine's default, since these reads compete with the model for a small
+#: VM's cores. On a GPU the engine's own default applies (KvikIO: 16).
 DEFAULT_THREADS = 4
 
 
@@ -69,35 +72,35 @@ class StreamStats:
     """Counters of one :class:`StreamedModel`. Lists are per streamed layer, in layer order."""
 
     tier: str
+    device: str
+    #: How slots are filled: ``host`` (engine reads into host memory), ``device`` (engine reads
+    #: into device memory), ``pinned`` (copies from pinned host memory), ``none`` (nothing streamed).
+    ring: str
     engine: str
     direct: bool
     slots: int
     slot_nbytes: int
     streamed_layers: list[str]
     resident_layers: list[str]
-    #: Host memory holding resident tensors (and, for ``tier="host"``, every layer).
+    #: Memory on ``device`` holding resident tensors (on the CPU with ``tier="host"``: every layer too).
     resident_nbytes: int
+    #: Pinned host memory holding the streamed layers (``tier="host"`` on a GPU).
+    host_nbytes: int = 0
     #: Times each layer's parameters were made real for a forward.
     loads: list[int] = field(default_factory=list)
-    #: Reads issued for each layer (one per forward, plus the ones prefetched for the next).
+    #: Fills issued for each layer (one per forward, plus the ones prefetched for the next).
     reads: list[int] = field(default_factory=list)
+    #: Bytes of layers filled into slots (read from the store, or copied from the host tier).
     bytes_read: int = 0
-    #: Layer calls that were not the predicted next layer (their read was not ready).
+    #: Layer calls that were not the predicted next layer (their fill was not ready).
     misses: int = 0
-    #: Prefetched reads dropped by a miss.
+    #: Prefetched fills dropped by a miss.
     wasted_reads: int = 0
-    #: Time the model's thread waited for reads in the pre-hooks.
+    #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
     stall_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class _Pending:
-    pos: int
-    slot: int
-    future: IOFuture
 
 
 def load_streamed(
@@ -109,33 +112,52 @@ def load_streamed(
     slots: int = 2,
     resident_layers: int = 0,
     verify: bool = False,
-    num_threads: int = DEFAULT_THREADS,
+    engine: str = "auto",
+    num_threads: int | None = None,
 ) -> StreamedModel:
     """Give a model skeleton (built on the meta device) its weights from a store, streaming its layers.
 
     Args:
         model: the skeleton, e.g. ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``
             or under ``accelerate.init_empty_weights()``. Changed in place: resident tensors
-            become real, streamed layers get hooks.
+            become real on ``device``, streamed layers get hooks.
         store: the store's directory (a list, in conversion order, if it was striped).
-        device: where the model computes; only ``"cpu"`` in this version.
+        device: where the model computes: ``"cpu"`` or a CUDA device.
         tier: ``"drive"``: layers are read from the store for every forward; ``"host"``: all
-            layers are read once into host memory.
-        slots: ring buffers for streamed layers (``>= 1``; 2 overlaps one read with one layer's
+            layers are read once into host memory (pinned, and copied into the ring on a GPU).
+        slots: ring buffers for streamed layers (``>= 1``; 2 overlaps one fill with one layer's
             compute; capped at the number of streamed layers).
-        resident_layers: how many of the first layers to keep in memory like the resident group.
+        resident_layers: how many of the first layers to keep on ``device`` like the resident group.
         verify: check each group's xxh3-64 after every read (:class:`StoreCorruptError` names the layer).
-        num_threads: engine threads doing the reads.
+        engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
+            compat, else posix), ``gds``, ``compat``, ``posix``.
+        num_threads: engine threads doing the reads (``None``: 4 on the CPU, the engine's default on a GPU).
 
     Returns:
         A :class:`StreamedModel`; close it (or use it as a context manager) to stop the reads.
 
     Raises:
-        ConfigError: a bad argument. ConfigMismatchError: the model's config is not the store's.
-        WeightsMismatchError: missing, extra or mis-shaped tensors (all listed).
+        ConfigError: a bad argument, or no CUDA for a CUDA device. ConfigMismatchError: the model's
+            config is not the store's. WeightsMismatchError: missing, extra or mis-shaped tensors (all listed).
         StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
+        GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
-    return StreamedModel(model, store, device=device, tier=tier, slots=slots, resident_layers=resident_layers, verify=verify, num_threads=num_threads)
+    return StreamedModel(model, store, device=device, tier=tier, slots=slots, resident_layers=resident_layers,
+                         verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a torch device ({exc}); use 'cpu' or 'cuda'") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device={dev}: weights stream into host memory ('cpu') or a GPU ('cuda'); {dev.type} is not supported")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={dev}: needs an NVIDIA GPU, but torch.cuda.is_available() is False; use device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 class StreamedModel:
@@ -154,52 +176,65 @@ class StreamedModel:
         slots: int,
         resident_layers: int,
         verify: bool,
-        num_threads: int,
+        engine: str,
+        num_threads: int | None,
     ) -> None:
         # Validate first.
-        device = torch.device(device)
-        if device.type != "cpu":
-            raise ConfigError(f"device={device}: this version streams into host memory only; use device='cpu' (GPU ring buffers through KvikIO are not built yet)")
+        dev = _resolve_device(device)
+        validate_mode(engine)
         if tier not in ("drive", "host"):
             raise ConfigError(f"tier={tier!r}: expected 'drive' (read layers from the store every forward) or 'host' (keep them in memory)")
-        if slots < 1 or num_threads < 1:
+        if slots < 1 or (num_threads is not None and num_threads < 1):
             raise ConfigError(f"slots={slots}, num_threads={num_threads}: both must be at least 1")
         first = store[0] if isinstance(store, (list, tuple)) else store
         manifest = read_manifest(first)
         layers = manifest.layers
         if not 0 <= resident_layers <= len(layers):
             raise ConfigError(f"resident_layers={resident_layers}: the store has {len(layers)} layers; use 0..{len(layers)}")
-        _check_config(model, manifest, Path(first))
+        check_config(model, manifest, Path(first))
         self.binding: Binding = bind(model, manifest, where=str(first))
-        self.model, self.manifest, self.verify = model, manifest, verify
+        self.model, self.manifest, self.verify, self.device = model, manifest, verify, dev
         self._dirs = resolve_dirs(store, manifest)
         # Allocate.
-        in_memory = layers if tier == "host" else layers[:resident_layers]
-        self._streamed: list[GroupEntry] = [] if tier == "host" else layers[resident_layers:]
+        in_memory = layers if (tier == "host" and dev.type == "cpu") else layers[:resident_layers]
+        self._streamed: list[GroupEntry] = layers[len(in_memory) :]
         self._files = StoreFiles(self._dirs, manifest)
-        self._engine = PosixEngine(num_threads=num_threads, read_pool_bytes=0)
-        self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._files)
+        self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
+        self._finalizer = weakref.finalize(self, _shutdown, self._res)
         self._hooks: list[Any] = []
-        self._inflight: collections.deque[_Pending] = collections.deque()
+        self._inflight: collections.deque[Fill] = collections.deque()
         self._current: tuple[int, int] | None = None
         self._closed = False
+        self._ring: Ring | None = None
         try:
+            self._loader = PosixEngine(num_threads=num_threads or DEFAULT_THREADS, read_pool_bytes=0)
+            self._res.append(self._loader)
+            reads: Engine = self._loader
+            if self._streamed and tier == "drive" and (dev.type != "cpu" or engine != "auto"):
+                reads = make_read_engine(engine, dev, self._dirs[0], num_threads)
+                self._res.append(reads)
             resident_nbytes = self._load_resident(([manifest.resident] if manifest.resident else []) + in_memory)
-            rebuild_meta_buffers(model, device)
-            slots = min(slots, max(1, len(self._streamed)))
-            slot_nbytes = max((g.padded_nbytes for g in self._streamed), default=0)
-            self._ring = [aligned_host_buffer(slot_nbytes) for _ in range(slots)] if self._streamed else []
-            self._free = list(range(len(self._ring)))[::-1]
-            self._views = [[self._slot_views(g, s) for s in range(len(self._ring))] for g in self._streamed]
+            rebuild_meta_buffers(model, dev)
+            _move_free_buffers(model, dev)
+            self._ring = make_ring(tier=tier, device=dev, engine=reads, files=self._files, groups=self._streamed,
+                                   slots=slots, verify=verify, load=self._read_arena)  # fmt: skip
+            if self._ring is not None:
+                self._res.append(self._ring)
+            ring = self._ring.buffers if self._ring else []
+            self._free = list(range(len(ring)))[::-1]
+            self._views = [[self._slot_views(g, buf) for buf in ring] for g in self._streamed]
             self._stats = StreamStats(
                 tier=tier,
-                engine=self._engine.description,
+                device=str(dev),
+                ring=self._ring.kind if self._ring else "none",
+                engine=reads.description,
                 direct=self._files.direct,
-                slots=len(self._ring),
-                slot_nbytes=slot_nbytes,
+                slots=len(ring),
+                slot_nbytes=ring[0].numel() if ring else 0,
                 streamed_layers=[g.name for g in self._streamed],
                 resident_layers=[g.name for g in in_memory],
                 resident_nbytes=resident_nbytes,
+                host_nbytes=self._ring.host_nbytes if self._ring else 0,
                 loads=[0] * len(self._streamed),
                 reads=[0] * len(self._streamed),
             )
@@ -209,7 +244,7 @@ class StreamedModel:
                 self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._pre, pos)))
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos)))
             self._next_pos = 0
-            self._fill()  # the first forward's first layers start reading now
+            self._fill()  # the first forward's first layers start now
         except BaseException:
             self.close()
             raise
@@ -228,10 +263,9 @@ class StreamedModel:
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads)}))
 
     def close(self) -> None:
-        """Wait for reads in flight, remove the hooks, close the engine and files. Idempotent.
-
-        Streamed layers are left with meta parameters; resident tensors stay in the model.
-        """
+        """Wait for fills in flight (and, on CUDA, for the device), remove the hooks, close the
+        engines and files. Idempotent. Streamed layers are left with meta parameters; resident
+        tensors stay in the model."""
         if self._closed:
             return
         self._closed = True
@@ -251,25 +285,34 @@ class StreamedModel:
         self.close()
 
     # -- loading --------------------------------------------------------------------------
-    def _load_resident(self, groups: list[GroupEntry]) -> int:
-        """Read ``groups`` into one host arena and bind their tensors to it; returns its size."""
-        bases, total = [], 0
+    def _read_arena(self, groups: list[GroupEntry]) -> tuple[torch.Tensor, dict[str, int]]:
+        """Read ``groups`` into one page-aligned host arena: ``(arena, offset of each group in it)``."""
+        bases, total = {}, 0
         for g in groups:
-            bases.append(total)
+            bases[g.name] = total
             total += g.padded_nbytes
         arena = aligned_host_buffer(total)
-        futures = [read_group(self._engine, self._files, g, arena[b : b + g.padded_nbytes], verify=self.verify) for g, b in zip(groups, bases)]
+        futures = [read_group(self._loader, self._files, g, arena[bases[g.name] :], verify=self.verify) for g in groups]
         for g, f in zip(groups, futures):
-            self._wait(g, f)
-        for g, b in zip(groups, bases):
-            buf = arena[b : b + g.padded_nbytes]
-            for name in self.binding.by_group.get(g.name, []):
-                self.binding.place(name, self.binding.as_parameter(name, view_of(buf, self.binding.entries[name], g.offset)))
-        return total if groups else 0
+            wait_read(g, f)
+        return arena, bases
 
-    def _slot_views(self, g: GroupEntry, slot: int) -> list[tuple[str, torch.Tensor]]:
+    def _load_resident(self, groups: list[GroupEntry]) -> int:
+        """Read ``groups``, put them on the device and bind their tensors there; returns the bytes."""
+        if not groups:
+            return 0
+        arena, bases = self._read_arena(groups)
+        if self.device.type != "cpu":
+            arena = arena.to(self.device)
+        for g in groups:
+            for name in self.binding.by_group.get(g.name, []):
+                buf = arena[bases[g.name] :]
+                self.binding.place(name, self.binding.as_parameter(name, view_of(buf, self.binding.entries[name], g.offset)))
+        return arena.numel()
+
+    def _slot_views(self, g: GroupEntry, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         # Made once, at load (outside any inference_mode), and reused every forward.
-        return [(n, self.binding.as_parameter(n, view_of(self._ring[slot], self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
+        return [(n, self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
 
     # -- hooks ----------------------------------------------------------------------------
     def _pre(self, pos: int, module: nn.Module, args: Any) -> None:
@@ -285,9 +328,10 @@ class StreamedModel:
             self._next_pos = pos
             self._fill()
         p = self._inflight.popleft()
+        assert self._ring is not None, "a streamed layer without a ring"
         try:
             start = time.perf_counter()
-            self._wait(self._streamed[pos], p.future)
+            self._ring.wait(self._streamed[pos], p)
             self._stats.stall_s += time.perf_counter() - start
         except BaseException:
             self._free.append(p.slot)
@@ -305,24 +349,25 @@ class StreamedModel:
 
     # -- the ring -------------------------------------------------------------------------
     def _fill(self) -> None:
-        """Issue reads of the next layers (cyclic order) into the free slots."""
+        """Start filling the free slots with the next layers (cyclic order)."""
         n = len(self._streamed)
         while self._free:
             pos = self._next_pos
             if (self._current is not None and self._current[0] == pos) or any(p.pos == pos for p in self._inflight):
                 return  # every streamed layer is in a slot or on its way
-            slot = self._free.pop()
+            assert self._ring is not None, "free slots without a ring"
             g = self._streamed[pos]
-            future = read_group(self._engine, self._files, g, self._ring[slot], verify=self.verify)
-            self._inflight.append(_Pending(pos, slot, future))
+            self._inflight.append(self._ring.start(g, pos, self._free.pop()))
             self._stats.reads[pos] += 1
             self._stats.bytes_read += g.nbytes
             self._next_pos = (pos + 1) % n
 
     def _release(self) -> None:
-        assert self._current is not None, "release without a current layer"
-        self._unbind(*self._current)
-        self._free.append(self._current[1])
+        assert self._current is not None and self._ring is not None, "release without a current layer"
+        pos, slot = self._current
+        self._unbind(pos, slot)
+        self._ring.release(slot)
+        self._free.append(slot)
         self._current = None
 
     def _unbind(self, pos: int, slot: int) -> None:
@@ -330,44 +375,22 @@ class StreamedModel:
             self.binding.restore(name)
 
     def _drain(self) -> None:
-        """Wait for every read in flight (they cannot be cancelled) and free their slots."""
+        """Wait for every fill in flight (reads cannot be cancelled) and free their slots."""
         while self._inflight:
             p = self._inflight.popleft()
-            try:
-                p.future.wait()
-            except Exception:  # noqa: BLE001 - a dropped read's error does not matter
-                pass
+            assert self._ring is not None, "fills without a ring"
+            self._ring.drop(p)
             self._free.append(p.slot)
 
-    def _wait(self, g: GroupEntry, future: IOFuture) -> None:
-        try:
-            future.wait()
-        except StoreCorruptError:
-            raise
-        except OffloadError as exc:
-            raise OffloadError(f"reading {g.describe()} from the weight store failed: {exc}") from exc
+
+def _shutdown(resources: list[Any]) -> None:
+    for r in reversed(resources):  # ring (waits for the device), engines, then the files
+        r.close()
 
 
-def _shutdown(engine: PosixEngine, files: StoreFiles) -> None:
-    engine.close()
-    files.close()
-
-
-def _check_config(model: nn.Module, manifest: Manifest, store: Path) -> None:
-    """Refuse a model whose config is not the one the store was converted from."""
-    cfg = getattr(model, "config", None)
-    if manifest.config_sha256 is None or cfg is None or not hasattr(cfg, "to_dict"):
-        return
-    if config_fingerprint(cfg) == manifest.config_sha256:
-        return
-    ours, theirs = canonical_config(cfg) or {}, {}
-    saved = store / "config.json"
-    if saved.is_file():
-        theirs = canonical_config(saved) or {}
-    diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-    shown = ", ".join(f"{k}: model {ours.get(k)!r}, store {theirs.get(k)!r}" for k in diff[:6]) or "see the two configs"
-    raise ConfigMismatchError(
-        f"the model's config (sha256 {config_fingerprint(cfg)[:12]}...) is not the one the weight store at {store} was converted "
-        f"from (sha256 {manifest.config_sha256[:12]}...): {shown}. Build the model from {saved} "
-        f"(AutoConfig.from_pretrained({str(store)!r})), or convert this model's checkpoint"
-    )
+def _move_free_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (not in any store: rotary ``inv_freq``) left on another device go to ``device``."""
+    for mod in model.modules():
+        for leaf, b in mod._buffers.items():
+            if b is not None and not b.is_meta and b.device != device and leaf in mod._non_persistent_buffers_set:
+                mod._buffers[leaf] = b.to(device)

@@ -1,0 +1,140 @@
+"""The result document of ``gds-offload bench-weights --out``: what ``gds-offload report`` renders
+(``kind: "table"``, formatted rows) with the raw figures kept beside it, the targets the issue
+sets and whether this run met them, and a PNG of tokens/s against batch size per mode.
+
+Targets (all within one run, ``drive`` against ``accelerate-disk``):
+
+* decode at batch 1 draws at least 0.9x the drive's raw ``O_DIRECT`` read rate (the best
+  pass of :func:`~gds_offload.weights.drive.raw_read_bandwidth`, before or after the modes);
+* decode at batch 1 is at least Accelerate's tokens/s;
+* at every batch >= 8, prefill and decode are at least 2x Accelerate's tokens/s.
+
+Each tokens/s target also gets a ``ceiling``: the resident model's ratio to Accelerate, what
+streaming that cost nothing at all would reach (where compute alone takes longer than
+Accelerate's reads, no streamer can be 2x faster).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gds_offload.units import format_bytes
+
+__all__ = ["LABELS", "targets", "table", "plot", "document"]
+
+#: How modes are named on the page.
+LABELS = {"resident": "resident", "drive": "streamed-drive", "host": "streamed-host", "accelerate-disk": "accelerate-disk"}
+_COLUMNS = ["mode", "batch", "prefill tok/s", "decode tok/s", "read / decoded token", "x Accelerate (prefill / decode)",
+            "decode read rate", "peak memory / cap", "cached at start", "outputs = resident"]  # fmt: skip
+
+
+def _by(summary: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["mode"], r["batch"]): r for r in summary if r["rounds_ok"]}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: ``{"target", "value", "need", "met"}`` (``met`` is ``None`` when a mode did not run),
+    tokens/s targets also ``ceiling``."""
+    by = _by(report["summary"])
+    raw = max((r["bytes_per_s"] for r in report.get("raw_read", [])), default=None)
+    drive1 = by.get(("drive", 1), {})
+    out = [{"target": "decode batch 1: drive read rate / raw O_DIRECT rate", "need": 0.9, "value": _ratio(drive1.get("decode_read_bytes_per_s"), raw)}]
+    wanted = [(1, "decode", 1.0)] + [(b, phase, 2.0) for b in sorted(b for m, b in by if m == "drive" and b >= 8) for phase in ("prefill", "decode")]
+    for batch, phase, need in wanted:
+        key = f"{phase}_tokens_per_s"
+        drive, acc, res = (by.get((m, batch), {}).get(key) for m in ("drive", "accelerate-disk", "resident"))
+        # ceiling: the resident model's ratio, what streaming with no cost at all would reach.
+        out.append({"target": f"{phase} batch {batch}: tok/s / Accelerate's", "need": need, "value": _ratio(drive, acc), "ceiling": _ratio(res, acc)})
+    for t in out:
+        t["met"] = None if t["value"] is None else t["value"] >= t["need"]
+    return out
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+
+def table(report: dict[str, Any]) -> dict[str, Any]:
+    """``{"columns", "rows"}`` of formatted strings, one row per mode and batch."""
+    by = _by(report["summary"])
+    rows = []
+    for r in report["summary"]:
+        label = LABELS.get(r["mode"], r["mode"])
+        if not r["rounds_ok"]:
+            rows.append([label, str(r["batch"]), f"failed: {(r['errors'] or ['?'])[0][:70]}"] + ["-"] * (len(_COLUMNS) - 3))
+            continue
+        acc = by.get(("accelerate-disk", r["batch"]), {})
+        ratios = [_ratio(r[k], acc.get(k)) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")]
+        cap = r.get("cgroup_limit_bytes")
+        peak = r.get("cgroup_peak_bytes") if cap else r.get("peak_rss_bytes")
+        rows.append([
+            label,
+            str(r["batch"]),
+            _num(r["prefill_tokens_per_s"]),
+            _num(r["decode_tokens_per_s"]),
+            "-" if r["drive_bytes_per_token"] is None else format_bytes(r["drive_bytes_per_token"]),
+            "-" if r["mode"] == "accelerate-disk" or None in ratios else f"{ratios[0]:.2f} / {ratios[1]:.2f}",
+            "-" if not r["decode_read_bytes_per_s"] else f"{r['decode_read_bytes_per_s'] / 1e9:.2f} GB/s",
+            ("-" if peak is None else format_bytes(peak)) + (f" / {format_bytes(cap)}" if cap else " (uncapped)"),
+            "-" if r["cached_fraction_before"] is None else f"{100 * r['cached_fraction_before']:.1f}%",
+            {True: "yes", False: "NO", None: "-"}[r["matches_resident"]],
+        ])  # fmt: skip
+    return {"columns": list(_COLUMNS), "rows": rows}
+
+
+def plot(report: dict[str, Any], out: Path, *, title: str) -> Path:
+    """Prefill and decode tokens/s against batch size, one line per mode (matplotlib, Agg).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'gds_offload[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"plotting needs matplotlib ({exc}); pip install 'gds_offload[plot]'") from exc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = list(dict.fromkeys(r["mode"] for r in report["summary"]))
+    for ax, key, name in ((axes[0], "prefill_tokens_per_s", "prefill"), (axes[1], "decode_tokens_per_s", "decode")):
+        for mode in modes:
+            pts = sorted((r["batch"], r[key]) for r in report["summary"] if r["mode"] == mode and r["rounds_ok"] and r[key])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=LABELS.get(mode, mode))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (sequences)")
+        ax.set_ylabel(f"{name} tokens/s")
+        ax.set_title(name)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def document(report: dict[str, Any], *, title: str, about: str, command: str, commit: str | None,
+             machine: dict[str, Any], started: str, wall_s: float, plot_path: str | None) -> dict[str, Any]:  # fmt: skip
+    """The result file: the report's own keys plus the page's (``kind``, ``title``, ``about``,
+    ``command``, ``commit``, ``machine``, ``started``, ``wall_s``, ``plot``, ``table``) and ``targets``."""
+    return {
+        "kind": "table",
+        "title": title,
+        "about": about,
+        "command": command,
+        "commit": commit,
+        "machine": machine,
+        "started": started,
+        "wall_s": wall_s,
+        "plot": plot_path,
+        "table": table(report),
+        "targets": targets(report),
+    } | report

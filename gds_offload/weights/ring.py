@@ -1,0 +1,268 @@
+"""The ring of layer buffers behind :class:`~gds_offload.weights.stream.StreamedModel`: where a
+streamed layer's bytes land, and what orders a layer's forward after its fill and before the
+next fill of its slot.
+
+One interface, three rings (:func:`make_ring` picks one):
+
+* :class:`HostRing` (``device="cpu"``, ``tier="drive"``): page-aligned host buffers, filled by
+  an engine's reads (posix ``O_DIRECT``, or KvikIO compat) on its threads. :meth:`Ring.wait`
+  blocks on the read's future. Nothing to record at release: on the CPU a layer's post-hook
+  runs after its kernels have finished.
+* :class:`DeviceRing` (CUDA, ``tier="drive"``): device buffers, filled by KvikIO
+  ``CuFile.pread`` straight into device memory (GDS: DMA from the drive; compat: KvikIO's
+  pinned bounce buffers), or by posix through host bounce buffers. Each slot has a CUDA
+  event, recorded on the compute stream by :meth:`Ring.release` (after the layer's forward
+  was *queued*: its kernels may still read the slot). A read into the slot is handed that
+  event as ``ready``, and the engine thread synchronizes on it before it writes the slot
+  (the engine contract, :mod:`gds_offload.io.base`). :meth:`Ring.wait` blocks the model's
+  thread on the read future; done means the bytes are in device memory, visible to every stream.
+* :class:`PinnedRing` (CUDA, ``tier="host"``): every streamed layer lies in one pinned host
+  arena (read once at load); a fill is ``copy_(non_blocking=True)`` on a side stream that
+  first waits for the slot's release event and then records a fill event; :meth:`Ring.wait`
+  makes the compute stream wait for that event, so the CPU never blocks.
+
+Buffer ownership: the ring owns its buffers and the arena; :meth:`Ring.close` waits for
+every fill and for the device before letting them go.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.kvikio_engine import KvikIOEngine
+from gds_offload.io.posix import PosixEngine
+from gds_offload.io.select import choose_engine
+from gds_offload.weights.errors import StoreCorruptError
+from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry
+from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gds_offload.store import SpillFile
+
+__all__ = ["Fill", "Ring", "HostRing", "DeviceRing", "PinnedRing", "make_read_engine", "wait_read"]
+
+
+@dataclass
+class Fill:
+    """Slot ``slot`` being filled with streamed layer ``pos``: a read (``future``) or a copy (``event``)."""
+
+    pos: int
+    slot: int
+    future: IOFuture | None = None
+    event: Any = None
+
+
+class Ring:
+    """``buffers``: one uint8 tensor per slot, each at least the largest streamed layer's padded size."""
+
+    kind = "ring"
+    #: Host memory holding the streamed layers (the pinned tier).
+    host_nbytes = 0
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+
+    def start(self, group: GroupEntry, pos: int, slot: int) -> Fill:
+        """Begin filling ``slot`` with ``group``'s bytes; returns at once."""
+        raise NotImplementedError(f"{type(self).__name__} does not fill slots")
+
+    def wait(self, group: GroupEntry, fill: Fill) -> None:
+        """Order what the model's thread queues next (the layer's forward) after ``fill``.
+
+        Raises:
+            OffloadError: the read failed (names the layer). StoreCorruptError: ``verify`` found a bad checksum.
+        """
+
+    def drop(self, fill: Fill) -> None:
+        """A fill no layer will use: wait until it no longer writes its slot (errors ignored)."""
+
+    def release(self, slot: int) -> None:
+        """The layer that used ``slot`` has been queued: no fill may write ``slot`` before it finishes."""
+
+    def close(self) -> None:
+        """Wait for fills in flight and for the device; free the buffers. Idempotent."""
+
+
+def wait_read(group: GroupEntry, future: IOFuture) -> None:
+    """Block on a read of ``group``; an I/O error is re-raised naming the layer."""
+    try:
+        future.wait()
+    except StoreCorruptError:
+        raise
+    except OffloadError as exc:
+        raise OffloadError(f"reading {group.describe()} from the weight store failed: {exc}") from exc
+
+
+class HostRing(Ring):
+    """Host slots filled by ``engine`` reads (see the module doc)."""
+
+    kind = "host"
+
+    def __init__(self, engine: Engine, files: StoreFiles, buffers: list[torch.Tensor], *, verify: bool) -> None:
+        super().__init__(buffers)
+        self.engine, self.files, self.verify = engine, files, verify
+
+    def start(self, group: GroupEntry, pos: int, slot: int) -> Fill:
+        return Fill(pos, slot, future=read_group(self.engine, self.files, group, self.buffers[slot], verify=self.verify))
+
+    def wait(self, group: GroupEntry, fill: Fill) -> None:
+        assert fill.future is not None, "a host ring fill without a read"
+        wait_read(group, fill.future)
+
+    def drop(self, fill: Fill) -> None:
+        if fill.future is not None:
+            fill.future.error()  # waits; the error of a read nobody uses does not matter
+
+
+class DeviceRing(HostRing):
+    """Device slots filled by engine reads, each guarded by its release event (see the module doc)."""
+
+    kind = "device"
+
+    def __init__(self, engine: Engine, files: StoreFiles, buffers: list[torch.Tensor], *, verify: bool, device: torch.device) -> None:
+        super().__init__(engine, files, buffers, verify=verify)
+        self.device = device
+        # An event never recorded is complete: synchronizing on it returns at once.
+        self._released = [torch.cuda.Event() for _ in buffers]
+
+    def start(self, group: GroupEntry, pos: int, slot: int) -> Fill:
+        ready = self._released[slot]
+        return Fill(pos, slot, future=read_group(self.engine, self.files, group, self.buffers[slot], verify=self.verify, ready=ready))
+
+    def release(self, slot: int) -> None:
+        self._released[slot].record(torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class PinnedRing(Ring):
+    """Device slots filled from a pinned host arena by copies on a side stream (see the module doc).
+
+    Args:
+        arena: page-aligned host bytes holding every streamed group at ``bases[name]``;
+            pinned here with ``cudaHostRegister`` (if that fails, a warning, and the copies are
+            synchronous but still correct).
+    """
+
+    kind = "pinned"
+
+    def __init__(self, arena: torch.Tensor, bases: dict[str, int], buffers: list[torch.Tensor], *, device: torch.device) -> None:
+        super().__init__(buffers)
+        self.arena, self.bases, self.device = arena, bases, device
+        self.pinned = _pin(arena)
+        self.host_nbytes = arena.numel()
+        self._side = torch.cuda.Stream(device=device)
+        self._released = [torch.cuda.Event() for _ in buffers]
+        self._filled = [torch.cuda.Event() for _ in buffers]
+        self._closed = False
+
+    def start(self, group: GroupEntry, pos: int, slot: int) -> Fill:
+        base = self.bases[group.name]
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(self._released[slot])
+            self.buffers[slot][: group.nbytes].copy_(self.arena[base : base + group.nbytes], non_blocking=True)
+            self._filled[slot].record(self._side)
+        return Fill(pos, slot, event=self._filled[slot])
+
+    def wait(self, group: GroupEntry, fill: Fill) -> None:
+        # Captures the fill's record as it is now; the slot's next fill records again only after release.
+        torch.cuda.current_stream(self.device).wait_event(fill.event)
+
+    def release(self, slot: int) -> None:
+        self._released[slot].record(torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+
+
+def _pin(arena: torch.Tensor) -> bool:
+    """Page-lock ``arena`` in place (one registration, no power-of-two rounding as with
+    ``pin_memory=True``); ``False`` with a warning if CUDA refuses."""
+    err = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+    if err:
+        warnings.warn(
+            f"cudaHostRegister of the {arena.numel()} byte host tier failed (cudaError {err}); copies to the GPU "
+            f"will be synchronous. Raise the locked-memory limit (ulimit -l) or use tier='drive'",
+            stacklevel=4,
+        )
+    return err == 0
+
+
+def _aligned_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of device memory starting at a 4 KiB boundary (cuFile's direct path DMAs
+    aligned buffers; the caching allocator only promises 512 bytes). The view keeps its block alive."""
+    raw = torch.empty(nbytes + GROUP_ALIGN, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % GROUP_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+class _StoreKvikIO(KvikIOEngine):
+    """A KvikIO engine that opens the store's files read-only (a store may be shared, or on a
+    read-only mount; the offloader's spill files are opened ``r+``)."""
+
+    def _handle(self, f: SpillFile) -> Any:
+        with self._handles_lock:
+            h = self._handles.get(f)
+            if h is None:
+                try:
+                    with self._kvikio.defaults.set("compat_mode", self._compat):
+                        h = self._kvikio.CuFile(f.proc_path, "r")
+                except Exception as exc:
+                    hint = f"run gds-check --path {f.dir.parent if f.dir else '.'} for the reason, or use engine='compat'"
+                    raise OffloadError(f"KvikIO could not open {f.describe()} in {self.name} mode ({exc}); {hint}") from exc
+                self._handles[f] = h
+            return h
+
+
+def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: int | None) -> Engine:
+    """The engine for a ring's reads: ``mode`` (``auto``, ``gds``, ``compat``, ``posix``) resolved by
+    :func:`~gds_offload.io.select.choose_engine` for ``device`` (``auto`` on the CPU: posix;
+    on a GPU: gds where usable, else compat, else posix), with ``num_threads`` (``None``: the
+    engine's default; posix on the CPU: 4).
+
+    Raises:
+        ConfigError: ``mode="host"`` (use ``tier="host"``), or an engine not usable here.
+        GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
+    """
+    if mode == "host":
+        raise ConfigError("engine='host' keeps no files to read; for layers in host memory use tier='host'")
+    choice = choose_engine(mode, path, device=device.type)  # type: ignore[arg-type]
+    if choice.engine in ("gds", "compat"):
+        return _StoreKvikIO(choice.engine, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
+    return PosixEngine(num_threads=num_threads or (4 if device.type == "cpu" else 8), read_pool_bytes=0)
+
+
+def make_ring(
+    *, tier: str, device: torch.device, engine: Engine, files: StoreFiles, groups: list[GroupEntry], slots: int,
+    verify: bool, load: Any,
+) -> Ring | None:  # fmt: skip
+    """The ring for ``groups`` (the streamed layers), or ``None`` when none are streamed.
+
+    ``load(groups) -> (arena, bases)``: reads groups into one page-aligned host arena (used
+    by ``tier="host"`` on a GPU). Allocates ``min(slots, len(groups))`` buffers of the
+    largest group's padded size on ``device``.
+    """
+    if not groups:
+        return None
+    n = min(slots, len(groups))
+    nbytes = max(g.padded_nbytes for g in groups)
+    if device.type == "cpu":
+        return HostRing(engine, files, [aligned_host_buffer(nbytes) for _ in range(n)], verify=verify)
+    buffers = [_aligned_device_buffer(nbytes, device) for _ in range(n)]
+    if tier == "host":
+        arena, bases = load(groups)
+        return PinnedRing(arena, bases, buffers, device=device)
+    return DeviceRing(engine, files, buffers, verify=verify, device=device)

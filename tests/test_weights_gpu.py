@@ -1,0 +1,124 @@
+"""Streamed inference on a GPU (gds_offload.weights with ``device="cuda"``): layers read from the
+store straight into device memory (KvikIO ``CuFile.pread``: GDS where usable, else compat;
+posix through host bounce buffers), or copied from a pinned host tier on a side stream, give
+logits and tokens ``torch.equal`` to the resident model on the same GPU.
+
+The race tests widen the window in which a slot could be overwritten too early: a pre-hook
+queues ``torch.cuda._sleep`` before each layer's kernels (after its parameters point at the
+slot), so the CPU runs far ahead of the GPU; with one slot the next layer's fill targets the
+slot those kernels are about to read, and only the slot's release event holds it back. They
+run on a non-default stream, which nothing but that event orders the fills after.
+
+Marked ``gpu``: ``pytest -m gpu`` (``scripts/gpu_check.sh``) runs them; without CUDA each skips
+naming the missing GPU.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
+
+from conftest import real_disk_base, requires_cuda  # noqa: E402
+from test_weights import VOCAB, _config, _resident, _save, _skeleton  # noqa: E402
+
+from gds_offload.io.kvikio_engine import kvikio_status  # noqa: E402
+from gds_offload.weights import convert, load_streamed  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+#: About 30-60 ms of GPU time per layer: long against a tiny layer's read, short for the suite.
+_SLEEP_CYCLES = 60_000_000
+_COMPAT = pytest.mark.skipif(not kvikio_status()[0], reason=f"KvikIO unusable: {kvikio_status()[1]}")
+
+
+@pytest.fixture(scope="module")
+def ckpt_store() -> Iterator[tuple[Path, Path]]:
+    d = Path(os.environ.get("GDS_TEST_DIR") or real_disk_base()) / f"gds_offload-weights-gpu-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        ckpt = _save(_config(), d / "ckpt")
+        convert(ckpt, d / "store")
+        yield ckpt, d / "store"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+
+
+def _slow_layers(h: object) -> list[object]:
+    """Queue a GPU sleep before every streamed layer's kernels (after the slot is bound)."""
+    hooks = []
+    for name in h.stats().streamed_layers:  # type: ignore[attr-defined]
+        layer = h.model.get_submodule(name)  # type: ignore[attr-defined]
+        hooks.append(layer.register_forward_pre_hook(lambda *_: torch.cuda._sleep(_SLEEP_CYCLES)))
+    return hooks
+
+
+@pytest.mark.parametrize(
+    ("tier", "engine", "ring"),
+    [
+        pytest.param("drive", "auto", "device", id="drive-auto"),
+        pytest.param("drive", "compat", "device", id="drive-compat", marks=_COMPAT),
+        pytest.param("drive", "posix", "device", id="drive-posix"),
+        pytest.param("host", "auto", "pinned", id="host"),
+    ],
+)
+def test_cuda_logits_equal_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str, engine: str, ring: str) -> None:
+    ckpt, store = ckpt_store
+    with torch.no_grad():
+        want = _resident(ckpt).cuda()(ids).logits
+        with load_streamed(_skeleton(store), store, device="cuda", tier=tier, engine=engine, verify=True) as h:
+            for _ in range(3):
+                got = h(ids).logits
+                assert got.is_cuda and torch.equal(got, want)
+            s = h.stats()
+    assert s.ring == ring and s.misses == 0 and s.loads == [3] * len(s.streamed_layers)
+    assert s.device.startswith("cuda") and (s.host_nbytes > 0) == (tier == "host")
+
+
+@pytest.mark.parametrize("tier", ["drive", "host"])
+def test_cuda_generate_matches_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
+    ckpt, store = ckpt_store
+    kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False)
+    want = _resident(ckpt).cuda().generate(ids, **kw)
+    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, resident_layers=1) as h:
+        got = h.generate(ids, **kw)
+        assert h.stats().misses == 0
+    assert torch.equal(got, want) and got.shape[1] == ids.shape[1] + 6
+
+
+@pytest.mark.parametrize("tier", ["drive", "host"])
+def test_cuda_slot_not_overwritten_while_a_kernel_reads_it(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
+    ckpt, store = ckpt_store
+    with torch.no_grad():
+        want = _resident(ckpt).cuda()(ids).logits
+        with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+            hooks = _slow_layers(h)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                got = [h(ids).logits for _ in range(2)]
+            torch.cuda.current_stream().wait_stream(side)
+            for hook in hooks:
+                hook.remove()
+    for g in got:
+        assert torch.equal(g, want)
+
+
+def test_cuda_close_leaves_resident_tensors_on_the_gpu(ckpt_store: tuple[Path, Path]) -> None:
+    _, store = ckpt_store
+    h = load_streamed(_skeleton(store), store, device="cuda", tier="host")
+    h.close()
+    h.close()  # idempotent
+    assert h.model.model.embed_tokens.weight.is_cuda and h.model.model.layers[0].mlp.up_proj.weight.is_meta
+    assert h.model.model.rotary_emb.inv_freq.is_cuda
