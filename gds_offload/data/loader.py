@@ -1,0 +1,324 @@
+"""``TokenLoader``: batches of token windows from a shard directory, read by a DALI pipeline.
+
+With a CUDA device the pipeline's reader is ``fn.readers.numpy(device="gpu")``: each shard
+file goes from the drive into GPU memory through cuFile (GPUDirect Storage where the node
+has it, see :mod:`gds_offload.data.check`). Without one it is the same pipeline on the CPU
+(``device_id=None``, the CPU reader). Either way the pipeline is wrapped by
+``nvidia.dali.plugin.pytorch.DALIGenericIterator`` and yields torch tensors.
+
+The pipeline reads one file per iteration (``batch_size=1``): a file is one read, whatever
+its length, and lands at the start of its own buffer. The loader gathers ``pool_files``
+files, permutes their windows and cuts batches (see :mod:`gds_offload.data.order` for the
+order and why a position can be resumed exactly).
+
+Example::
+
+    from gds_offload.data import TokenLoader
+
+    loader = TokenLoader("data/shards", batch_size=8, seed=0, shard_id=rank, num_shards=world)
+    loader.load_state_dict(ckpt["loader"])             # resume where the checkpoint was taken
+    for batch in loader:                               # the rest of this epoch, on the GPU if any
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        ...
+        ckpt["loader"] = loader.state_dict()           # position after this batch
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Generator, Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from gds_offload.data.format import ShardError, ShardSet, scan_shards
+from gds_offload.data.order import EpochPlan, plan_epoch, pool_permutation
+from gds_offload.errors import ConfigError
+
+__all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES", "dali_missing_message"]
+
+#: ``format`` of :meth:`TokenLoader.state_dict`.
+STATE_FORMAT = "gds_offload.data.TokenLoader/1"
+#: Files whose windows are shuffled together (the pool): 8 files of ~2 MB hold ~16k windows of 512 tokens.
+DEFAULT_POOL_FILES = 8
+_MUST_MATCH = ("seed", "num_shards", "shard_id", "batch_size", "pool_files", "shuffle", "drop_last", "dataset")
+
+
+def dali_missing_message(exc: BaseException) -> str:
+    return (f"the token loader needs NVIDIA DALI ({type(exc).__name__}: {exc}); "
+            f"install it with pip install 'gds_offload[data]' (nvidia-dali-cuda120)")
+
+
+class _FileReader:
+    """A DALI pipeline that reads ``paths`` in order, one file per iteration, as int32 tensors ``[windows, seq + 1]``."""
+
+    def __init__(self, paths: list[str], *, reader: Literal["gpu", "cpu"], device_id: int | None,
+                 num_threads: int, prefetch: int) -> None:
+        try:
+            from nvidia.dali import fn, pipeline_def, types
+            from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+        except ImportError as exc:
+            raise ConfigError(dali_missing_message(exc)) from exc
+
+        @pipeline_def(batch_size=1, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=prefetch)  # type: ignore[arg-type]
+        def pipeline() -> Any:
+            tokens = fn.readers.numpy(device=reader, files=paths, name="reader", random_shuffle=False)
+            return fn.cast(tokens, dtype=types.INT32)  # type: ignore[attr-defined]
+
+        self.paths = paths
+        self._pipe: Any = pipeline()
+        self._pipe.build()
+        self._it: Any = DALIGenericIterator([self._pipe], ["tokens"], reader_name="reader",
+                                       last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(len(self.paths)):
+            try:
+                out = next(self._it)
+            except StopIteration:
+                raise ShardError(f"DALI stopped after {i} of {len(self.paths)} files; {self.paths[i]} was not read") from None
+            except RuntimeError as exc:
+                raise ShardError(f"DALI failed reading {self.paths[i]} (or a file after it): {exc}") from exc
+            yield out[0]["tokens"][0]
+
+    def close(self) -> None:
+        self._it = None
+        self._pipe = None
+
+
+class TokenLoader:
+    """Batches ``{"input_ids": [b, seq], "labels": [b, seq]}`` (int64) from a shard directory.
+
+    ``labels[i, t]`` is the token after ``input_ids[i, t]`` (already shifted; Hugging Face
+    models shift ``labels`` themselves, so pass them ``labels=input_ids``).
+
+    Iterating serves the rest of the current epoch, then moves to the next: ``for batch in
+    loader`` once per epoch, or :meth:`batches` for an endless stream. :meth:`state_dict` is
+    the position after the last batch handed out; :meth:`load_state_dict` or ``start_step``
+    resume there exactly. Every window of the rank's files is served once per epoch
+    (``drop_last=True``: the same number of whole batches on every rank, the rest left out
+    with a warning).
+
+    Args:
+        directory: a directory ``gds-offload shards`` wrote.
+        batch_size: windows per batch.
+        seq: the sequence length expected (None: the shards').
+        seed: seed of the file and window orders.
+        shard_id: this rank (0-based).
+        num_shards: ranks reading the directory together.
+        device: ``"auto"`` (CUDA if torch sees a GPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: where batches are.
+        reader: ``"auto"`` (GPU reader on a CUDA device where cuFile is found, else CPU), ``"gpu"`` or ``"cpu"``.
+        shuffle: permute files and windows (False: file order, then row order).
+        drop_last: equal whole batches on every rank (for DDP); leaves out the remainder.
+        pool_files: files whose windows are shuffled together.
+        num_threads: DALI worker threads.
+        prefetch: DALI's prefetch queue depth (files read ahead).
+        start_step: resume at this global step (batches served over all epochs).
+
+    Raises:
+        ShardError: a bad directory or file (named).
+        ConfigError: a bad argument, or DALI not installed.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, batch_size: int, seq: int | None = None, seed: int = 0,
+                 shard_id: int = 0, num_shards: int = 1, device: str | torch.device = "auto",
+                 reader: Literal["auto", "gpu", "cpu"] = "auto", shuffle: bool = True, drop_last: bool = False,
+                 pool_files: int = DEFAULT_POOL_FILES, num_threads: int = 2, prefetch: int = 2, start_step: int = 0) -> None:
+        for name, value, low in (("batch_size", batch_size, 1), ("num_shards", num_shards, 1), ("pool_files", pool_files, 1),
+                                 ("num_threads", num_threads, 1), ("prefetch", prefetch, 1), ("start_step", start_step, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"TokenLoader {name}={value!r} must be an int >= {low}")
+        if not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
+            raise ConfigError(f"TokenLoader shard_id={shard_id!r} must be in [0, num_shards={num_shards})")
+        self.device = _resolve_device(device)
+        self.reader = _resolve_reader(reader, self.device)
+        self.shards: ShardSet = scan_shards(directory, seq=seq)
+        if len(self.shards.files) < num_shards:
+            raise ShardError(f"{self.shards.directory}: {len(self.shards.files)} file(s) cannot feed num_shards={num_shards} "
+                             f"ranks (each rank reads whole files); write smaller files (gds-offload shards --windows-per-file)")
+        self.batch_size, self.seed, self.shard_id, self.num_shards = batch_size, seed, shard_id, num_shards
+        self.shuffle, self.drop_last, self.pool_files = shuffle, drop_last, pool_files
+        self.num_threads, self.prefetch = num_threads, prefetch
+        self._fingerprint = self.shards.fingerprint()
+        self._plans: dict[int, EpochPlan] = {}
+        self._warned_left_out = False
+        self.epoch, self.window, self.step = 0, 0, 0
+        if start_step:
+            self.seek(start_step)
+
+    # ------------------------------------------------------------------ position
+    @property
+    def seq(self) -> int:
+        return self.shards.seq
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """This rank's plan of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        plan = self._plans.get(epoch)
+        if plan is None:
+            plan = plan_epoch(tuple(f.windows for f in self.shards.files), epoch=epoch, seed=self.seed,
+                              shard_id=self.shard_id, num_shards=self.num_shards, batch=self.batch_size,
+                              pool_files=self.pool_files, shuffle=self.shuffle, drop_last=self.drop_last)
+            if plan.steps == 0:
+                raise ShardError(f"{self.shards.directory}: rank {self.shard_id} gets no batch in epoch {epoch} "
+                                 f"({plan.rank_windows} windows, batch_size={self.batch_size}, drop_last={self.drop_last}); "
+                                 f"use a smaller batch or fewer ranks")
+            if plan.left_out and not self._warned_left_out:
+                self._warned_left_out = True
+                warnings.warn(f"TokenLoader(drop_last=True) leaves out {plan.left_out} of rank {self.shard_id}'s "
+                              f"{plan.rank_windows} windows in epoch {epoch} (equal whole batches on every rank)", stacklevel=3)
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[epoch] = plan
+        return plan
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return self.plan().steps
+
+    def seek(self, step: int) -> None:
+        """Move to global step ``step``: the next batch is the one a run from the start serves ``step``-th (0-based)."""
+        if step < 0:
+            raise ConfigError(f"TokenLoader.seek(step={step}) needs step >= 0")
+        epoch, left = 0, step
+        while left >= self.plan(epoch).steps:
+            left -= self.plan(epoch).steps
+            epoch += 1
+        self.epoch, self.window, self.step = epoch, left * self.batch_size, step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch served, and what the order depends on (for :meth:`load_state_dict`)."""
+        return {"format": STATE_FORMAT, "epoch": self.epoch, "window": self.window, "step": self.step,
+                "seed": self.seed, "num_shards": self.num_shards, "shard_id": self.shard_id, "batch_size": self.batch_size,
+                "pool_files": self.pool_files, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "dataset": self._fingerprint, "windows": self.shards.windows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`).
+
+        Raises:
+            ConfigError: a state from another loader format, or one whose order differs from
+                this loader's (seed, ranks, batch size, pool, shuffling, or other shards).
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"TokenLoader.load_state_dict: not a {STATE_FORMAT} state ({type(state).__name__})")
+        mine = self.state_dict()
+        for key in _MUST_MATCH:
+            if state.get(key) != mine[key]:
+                what = "the shards in the directory changed" if key == "dataset" else f"{key}={state.get(key)!r} there, {mine[key]!r} here"
+                raise ConfigError(f"TokenLoader.load_state_dict: the state was taken with another order ({what}); "
+                                  f"build the loader as it was when the state was saved")
+        epoch, window, step = int(state["epoch"]), int(state["window"]), int(state["step"])
+        if window > self.plan(epoch).windows or window < 0:
+            raise ConfigError(f"TokenLoader.load_state_dict: window={window} is outside epoch {epoch} "
+                              f"({self.plan(epoch).windows} windows)")
+        self.epoch, self.window, self.step = epoch, window, step
+
+    # ------------------------------------------------------------------ batches
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The rest of the current epoch's batches; afterwards the loader is at the next epoch's start."""
+        plan = self.plan()
+        pending: list[torch.Tensor] = []
+        have = 0
+        pools = self._pools(plan, self.window) if self.window < plan.windows else None
+        try:
+            while self.window < plan.windows:
+                want = min(self.batch_size, plan.windows - self.window)
+                while have < want:
+                    assert pools is not None, "windows left in the epoch, so its pools are open"
+                    piece = next(pools)
+                    pending.append(piece)
+                    have += piece.shape[0]
+                tokens = torch.cat(pending) if len(pending) > 1 else pending[0]
+                batch, rest = tokens[:want], tokens[want:]
+                pending, have = ([rest] if rest.shape[0] else []), int(rest.shape[0])
+                self.window += want
+                self.step += 1
+                yield self._batch(batch)
+        finally:
+            if pools is not None:
+                pools.close()
+        if self.window >= plan.windows:
+            self.epoch, self.window = self.epoch + 1, 0
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches without end, epoch after epoch."""
+        while True:
+            yield from self
+
+    def _batch(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        tokens = tokens.to(self.device, non_blocking=True).long()
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def _pools(self, plan: EpochPlan, window: int) -> Generator[torch.Tensor, None, None]:
+        """The permuted windows of each pool from the one holding ``window``, the first cut to start there."""
+        first = plan.pool_of(window)
+        skip = window - plan.pool_start(first)
+        positions = list(range(plan.pool_range(first)[0], len(plan.files)))
+        paths = [str(self.shards.files[plan.files[i]].path) for i in positions]
+        reader = _FileReader(paths, reader=self.reader, device_id=self._device_id(),
+                             num_threads=self.num_threads, prefetch=self.prefetch)
+        try:
+            files = iter(reader)
+            for pool in range(first, plan.pools):
+                lo, hi = plan.pool_range(pool)
+                parts = [next(files) for _ in range(lo, hi)]
+                for k, part in zip(range(lo, hi), parts):
+                    expected = plan.file_windows[k]
+                    if part.shape[0] != expected:
+                        raise ShardError(f"{paths[k - positions[0]]}: read {tuple(part.shape)}, its header said {expected} windows")
+                tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
+                order = pool_permutation(tokens.shape[0], seed=self.seed, epoch=plan.epoch, shard_id=self.shard_id,
+                                         pool=pool, shuffle=self.shuffle)
+                if pool == first and skip:
+                    order = order[skip:]
+                if self.shuffle or (pool == first and skip):
+                    tokens = tokens[torch.from_numpy(np.ascontiguousarray(order)).to(tokens.device)]
+                yield tokens
+        finally:
+            reader.close()
+
+    def _device_id(self) -> int | None:
+        if self.reader != "gpu":
+            return None
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def describe(self) -> str:
+        """One line: the directory, its size, this rank and the read path."""
+        s = self.shards
+        return (f"{s.directory}: {len(s.files)} files, {s.windows} windows of {s.seq + 1} {s.dtype} tokens; "
+                f"rank {self.shard_id}/{self.num_shards}, {self.reader} reader -> {self.device}")
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"TokenLoader device={device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"TokenLoader device={device!r}: batches go to cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"TokenLoader device={device!r} but torch sees no CUDA GPU; use device='cpu'")
+    return dev
+
+
+def _resolve_reader(reader: str, device: torch.device) -> Literal["gpu", "cpu"]:
+    if reader not in ("auto", "gpu", "cpu"):
+        raise ConfigError(f"TokenLoader reader={reader!r}; expected auto, gpu or cpu")
+    if reader == "gpu" and device.type != "cuda":
+        raise ConfigError(f"TokenLoader reader='gpu' reads into GPU memory; it needs a CUDA device, not {device}")
+    if reader == "auto":
+        if device.type != "cuda":
+            return "cpu"
+        from gds_offload.check.node import probe_libcufile
+
+        if not probe_libcufile().found:
+            warnings.warn("TokenLoader: libcufile not found, so DALI's GPU reader cannot run; reading on the CPU "
+                          "(see gds-offload shards --check DIR)", stacklevel=3)
+            return "cpu"
+        return "gpu"
+    return reader  # type: ignore[return-value]
+
