@@ -85,14 +85,8 @@ def input_path_status(path: str | Path, *, root: Path = Path("/")) -> InputPathS
         return InputPathStatus(where, "unusable", False, probe.error, "pass the directory gds-offload shards wrote", facts)
     gpus = probe_gpus(root)
     facts["gpu"] = ", ".join(g.name for g in gpus.gpus) if gpus.available else (gpus.error or "no CUDA GPU visible to torch")
-    if not gpus.available:
-        return InputPathStatus(where, "cpu", False, "no CUDA GPU: the loader runs DALI's CPU reader",
-                               "run on a node with an NVIDIA GPU", facts)
     cufile = probe_libcufile(root)
     facts["libcufile"] = f"{cufile.path} ({cufile.source})" if cufile.found else "not found in " + ", ".join(cufile.searched)
-    if not cufile.found:
-        return InputPathStatus(where, "cpu", False, "libcufile not found: DALI's GPU reader cannot open cuFile",
-                               "pip install nvidia-cufile-cu12 (or the CUDA toolkit's GDS package)", facts)
     nvfs = probe_nvidia_fs(root)
     facts["nvidia-fs"] = f"loaded {nvfs.version}".strip() if nvfs.loaded else "not loaded"
     fstype = probe.fstype
@@ -103,17 +97,26 @@ def input_path_status(path: str | Path, *, root: Path = Path("/")) -> InputPathS
     on_nvme = probe.device is not None and probe.device.nvme
     facts["block-device"] = (f"{probe.device.disk} ({'NVMe' if on_nvme else 'not NVMe'})" if probe.device is not None
                              else "none (virtual or network filesystem)")
+    if not gpus.available:
+        return InputPathStatus(where, "cpu", False, "no CUDA GPU: the loader runs DALI's CPU reader",
+                               "run on a node with an NVIDIA GPU", facts)
+    if not cufile.found:
+        return InputPathStatus(where, "cpu", False, "libcufile not found: DALI's GPU reader cannot open cuFile",
+                               "pip install nvidia-cufile-cu12 (or the CUDA toolkit's GDS package)", facts)
     if not nvfs.loaded:
         return InputPathStatus(where, "gpu-compat", False,
                                "nvidia-fs is not loaded: cuFile reads through a host bounce buffer (compatibility mode)",
                                "modprobe nvidia-fs (install nvidia-gds); see gds-check", facts)
+    fs_fix = "put the shards on ext4 (data=ordered) or xfs on NVMe"
     if not direct_fs:
         return InputPathStatus(where, "gpu-compat", False,
                                f"filesystem {fstype or 'unknown'} is not GDS-supported: cuFile falls back to compatibility mode",
-                               "put the shards on ext4 (data=ordered) or xfs on NVMe", facts)
+                               fs_fix, facts)
     if probe.o_direct is False:
-        return InputPathStatus(where, "gpu-compat", False, f"filesystem {fstype} refuses O_DIRECT",
-                               "put the shards on ext4 (data=ordered) or xfs on NVMe", facts)
+        return InputPathStatus(where, "gpu-compat", False, f"filesystem {fstype} refuses O_DIRECT", fs_fix, facts)
+    if fstype in GDS_LOCAL_FSTYPES and probe.device is not None and not on_nvme:
+        return InputPathStatus(where, "gpu-compat", False, f"{probe.device.disk} is not an NVMe drive: GDS reads NVMe only",
+                               fs_fix, facts)
     return InputPathStatus(where, "gds", True, "GPU, DALI, cuFile, nvidia-fs and a GDS filesystem: direct reads", "", facts)
 
 

@@ -50,37 +50,44 @@ def dali_missing_message(exc: BaseException) -> str:
             f"install it with pip install 'gds_offload[data]' (nvidia-dali-cuda120)")
 
 
-class _FileReader:
-    """A DALI pipeline that reads ``paths`` in order, one file per iteration, as int32 tensors ``[windows, seq + 1]``."""
+class _PoolReader:
+    """A DALI pipeline that reads ``paths`` in order, ``pool_files`` files per iteration.
 
-    def __init__(self, paths: list[str], *, reader: Literal["gpu", "cpu"], device_id: int | None,
-                 num_threads: int, prefetch: int) -> None:
+    Each iteration is one tensor ``[files, rows, seq + 1]`` (int32) on the reader's device:
+    the pool's files, the shorter ones padded with ``-1`` rows to ``rows`` (``fn.pad``), so
+    that the batch is dense and ``DALIGenericIterator`` hands it over in one piece.
+    """
+
+    def __init__(self, paths: list[str], *, pool_files: int, rows: int, pad: bool, reader: Literal["gpu", "cpu"],
+                 device_id: int | None, num_threads: int, prefetch: int) -> None:
         try:
             from nvidia.dali import fn, pipeline_def, types
             from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
         except ImportError as exc:
             raise ConfigError(dali_missing_message(exc)) from exc
 
-        @pipeline_def(batch_size=1, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=prefetch)  # type: ignore[arg-type]
+        @pipeline_def(batch_size=pool_files, num_threads=num_threads, device_id=device_id,  # type: ignore[arg-type]
+                      prefetch_queue_depth=prefetch)
         def pipeline() -> Any:
             tokens = fn.readers.numpy(device=reader, files=paths, name="reader", random_shuffle=False)
-            return fn.cast(tokens, dtype=types.INT32)  # type: ignore[attr-defined]
+            tokens = fn.cast(tokens, dtype=types.INT32)  # type: ignore[attr-defined]
+            return fn.pad(tokens, axes=(0,), shape=(rows,), fill_value=-1) if pad else tokens
 
         self.paths = paths
         self._pipe: Any = pipeline()
         self._pipe.build()
         self._it: Any = DALIGenericIterator([self._pipe], ["tokens"], reader_name="reader",
-                                       last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False)
+                                            last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for i in range(len(self.paths)):
+        while True:
             try:
                 out = next(self._it)
             except StopIteration:
-                raise ShardError(f"DALI stopped after {i} of {len(self.paths)} files; {self.paths[i]} was not read") from None
+                return
             except RuntimeError as exc:
-                raise ShardError(f"DALI failed reading {self.paths[i]} (or a file after it): {exc}") from exc
-            yield out[0]["tokens"][0]
+                raise ShardError(f"DALI failed reading one of {self.paths[0]} ... {self.paths[-1]}: {exc}") from exc
+            yield out[0]["tokens"]
 
     def close(self) -> None:
         self._it = None
@@ -217,25 +224,33 @@ class TokenLoader:
 
     # ------------------------------------------------------------------ batches
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The rest of the current epoch's batches; afterwards the loader is at the next epoch's start."""
+        """The rest of the current epoch's batches; afterwards the loader is at the next epoch's start.
+
+        Each batch is a fresh ``int64`` tensor ``[b, seq + 1]`` gathered from its pool;
+        ``input_ids`` and ``labels`` are views of it.
+        """
         plan = self.plan()
-        pending: list[torch.Tensor] = []
-        have = 0
         pools = self._pools(plan, self.window) if self.window < plan.windows else None
+        stage, order = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+        at = 0  # entries of ``order`` already served
         try:
             while self.window < plan.windows:
                 want = min(self.batch_size, plan.windows - self.window)
-                while have < want:
+                if order.shape[0] - at >= want:
+                    tokens = stage.index_select(0, order[at : at + want]).long()
+                    at += want
+                else:  # the batch spans pools
                     assert pools is not None, "windows left in the epoch, so its pools are open"
-                    piece = next(pools)
-                    pending.append(piece)
-                    have += piece.shape[0]
-                tokens = torch.cat(pending) if len(pending) > 1 else pending[0]
-                batch, rest = tokens[:want], tokens[want:]
-                pending, have = ([rest] if rest.shape[0] else []), int(rest.shape[0])
+                    pieces, have = [stage.index_select(0, order[at:]).long()], order.shape[0] - at
+                    while have < want:
+                        stage, order = next(pools)
+                        at = min(want - have, order.shape[0])
+                        pieces.append(stage.index_select(0, order[:at]).long())
+                        have += at
+                    tokens = torch.cat(pieces)
                 self.window += want
                 self.step += 1
-                yield self._batch(batch)
+                yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
         finally:
             if pools is not None:
                 pools.close()
@@ -247,35 +262,35 @@ class TokenLoader:
         while True:
             yield from self
 
-    def _batch(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        tokens = tokens.to(self.device, non_blocking=True).long()
-        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-
-    def _pools(self, plan: EpochPlan, window: int) -> Generator[torch.Tensor, None, None]:
-        """The permuted windows of each pool from the one holding ``window``, the first cut to start there."""
+    def _pools(self, plan: EpochPlan, window: int) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """``(stage, order)`` for each pool from the one holding ``window``: the pool's rows
+        ``[files * rows, seq + 1]`` on the batches' device, and the rows to serve, in order
+        (the first pool's cut to start at ``window``)."""
         first = plan.pool_of(window)
         skip = window - plan.pool_start(first)
         positions = list(range(plan.pool_range(first)[0], len(plan.files)))
         paths = [str(self.shards.files[plan.files[i]].path) for i in positions]
-        reader = _FileReader(paths, reader=self.reader, device_id=self._device_id(),
-                             num_threads=self.num_threads, prefetch=self.prefetch)
+        counts = [plan.file_windows[i] for i in positions]
+        rows = max(counts)
+        reader = _PoolReader(paths, pool_files=self.pool_files, rows=rows, pad=len(set(counts)) > 1, reader=self.reader,
+                             device_id=self._device_id(), num_threads=self.num_threads, prefetch=self.prefetch)
         try:
-            files = iter(reader)
+            batches = iter(reader)
             for pool in range(first, plan.pools):
                 lo, hi = plan.pool_range(pool)
-                parts = [next(files) for _ in range(lo, hi)]
-                for k, part in zip(range(lo, hi), parts):
-                    expected = plan.file_windows[k]
-                    if part.shape[0] != expected:
-                        raise ShardError(f"{paths[k - positions[0]]}: read {tuple(part.shape)}, its header said {expected} windows")
-                tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
-                order = pool_permutation(tokens.shape[0], seed=self.seed, epoch=plan.epoch, shard_id=self.shard_id,
-                                         pool=pool, shuffle=self.shuffle)
-                if pool == first and skip:
-                    order = order[skip:]
-                if self.shuffle or (pool == first and skip):
-                    tokens = tokens[torch.from_numpy(np.ascontiguousarray(order)).to(tokens.device)]
-                yield tokens
+                tokens = next(batches, None)
+                if tokens is None or tokens.shape[0] != hi - lo or tokens.shape[1] != rows:
+                    got = "nothing" if tokens is None else f"a batch of shape {tuple(tokens.shape)}"
+                    raise ShardError(f"DALI returned {got} for the {hi - lo} files from {paths[lo - positions[0]]}; "
+                                     f"expected [{hi - lo}, {rows}, {self.seq + 1}]")
+                # The pool's real rows (padding left out), as positions in the flattened stage.
+                real = np.concatenate([j * rows + np.arange(plan.file_windows[k]) for j, k in enumerate(range(lo, hi))])
+                if self.shuffle:
+                    real = real[pool_permutation(real.size, seed=self.seed, epoch=plan.epoch, shard_id=self.shard_id, pool=pool)]
+                if pool == first:
+                    real = real[skip:]
+                stage = tokens.reshape(-1, tokens.shape[2]).to(self.device, non_blocking=True)
+                yield stage, torch.from_numpy(real).to(self.device, non_blocking=True)
         finally:
             reader.close()
 
