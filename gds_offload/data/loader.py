@@ -42,6 +42,8 @@ __all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES", "dali_missing_me
 STATE_FORMAT = "gds_offload.data.TokenLoader/1"
 #: Files whose windows are shuffled together (the pool): 8 files of ~2 MB hold ~16k windows of 512 tokens.
 DEFAULT_POOL_FILES = 8
+#: Unsigned token dtypes and the signed DALI type of the same width they are handed over as.
+_SIGNED_VIEW = {"uint16": "INT16", "uint32": "INT32"}
 _MUST_MATCH = ("seed", "num_shards", "shard_id", "batch_size", "pool_files", "shuffle", "drop_last", "dataset")
 
 
@@ -53,12 +55,14 @@ def dali_missing_message(exc: BaseException) -> str:
 class _PoolReader:
     """A DALI pipeline that reads ``paths`` in order, ``pool_files`` files per iteration.
 
-    Each iteration is one tensor ``[files, rows, seq + 1]`` (int32) on the reader's device:
-    the pool's files, the shorter ones padded with ``-1`` rows to ``rows`` (``fn.pad``), so
-    that the batch is dense and ``DALIGenericIterator`` hands it over in one piece.
+    Each iteration is one tensor ``[files, rows, seq + 1]`` on the reader's device: the
+    pool's files, with ``pad`` the shorter ones padded with zero rows to ``rows``
+    (``fn.pad``), so that the batch is dense and ``DALIGenericIterator`` hands it over in
+    one piece (zero-copy, through DLPack). ``uint16``/``uint32`` tokens come reinterpreted
+    as ``int16``/``int32`` (no copy; torch has no unsigned types there): see :func:`_widen`.
     """
 
-    def __init__(self, paths: list[str], *, pool_files: int, rows: int, pad: bool, reader: Literal["gpu", "cpu"],
+    def __init__(self, paths: list[str], *, pool_files: int, rows: int, pad: bool, dtype: str, reader: Literal["gpu", "cpu"],
                  device_id: int | None, num_threads: int, prefetch: int) -> None:
         try:
             from nvidia.dali import fn, pipeline_def, types
@@ -70,8 +74,9 @@ class _PoolReader:
                       prefetch_queue_depth=prefetch)
         def pipeline() -> Any:
             tokens = fn.readers.numpy(device=reader, files=paths, name="reader", random_shuffle=False)
-            tokens = fn.cast(tokens, dtype=types.INT32)  # type: ignore[attr-defined]
-            return fn.pad(tokens, axes=(0,), shape=(rows,), fill_value=-1) if pad else tokens
+            if dtype in _SIGNED_VIEW:
+                tokens = fn.reinterpret(tokens, dtype=getattr(types, _SIGNED_VIEW[dtype]))
+            return fn.pad(tokens, axes=(0,), shape=(rows,), fill_value=0) if pad else tokens
 
         self.paths = paths
         self._pipe: Any = pipeline()
@@ -148,6 +153,10 @@ class TokenLoader:
         self.shuffle, self.drop_last, self.pool_files = shuffle, drop_last, pool_files
         self.num_threads, self.prefetch = num_threads, prefetch
         self._fingerprint = self.shards.fingerprint()
+        bits = {"uint16": 15, "uint32": 31}.get(self.shards.dtype)
+        vocab = self.shards.vocab
+        # A uint16 token >= 2**15 reads as a negative int16: mask it back, unless the vocabulary is below that.
+        self._mask = (1 << (bits + 1)) - 1 if bits is not None and (vocab is None or vocab > 1 << bits) else None
         self._plans: dict[int, EpochPlan] = {}
         self._warned_left_out = False
         self.epoch, self.window, self.step = 0, 0, 0
@@ -237,15 +246,15 @@ class TokenLoader:
             while self.window < plan.windows:
                 want = min(self.batch_size, plan.windows - self.window)
                 if order.shape[0] - at >= want:
-                    tokens = stage.index_select(0, order[at : at + want]).long()
+                    tokens = self._widen(stage.index_select(0, order[at : at + want]))
                     at += want
                 else:  # the batch spans pools
                     assert pools is not None, "windows left in the epoch, so its pools are open"
-                    pieces, have = [stage.index_select(0, order[at:]).long()], order.shape[0] - at
+                    pieces, have = [self._widen(stage.index_select(0, order[at:]))], order.shape[0] - at
                     while have < want:
                         stage, order = next(pools)
                         at = min(want - have, order.shape[0])
-                        pieces.append(stage.index_select(0, order[:at]).long())
+                        pieces.append(self._widen(stage.index_select(0, order[:at])))
                         have += at
                     tokens = torch.cat(pieces)
                 self.window += want
@@ -256,6 +265,13 @@ class TokenLoader:
                 pools.close()
         if self.window >= plan.windows:
             self.epoch, self.window = self.epoch + 1, 0
+
+    def _widen(self, rows: torch.Tensor) -> torch.Tensor:
+        """int64 tokens from the reader's rows; unsigned tokens that may have the top bit set are masked back."""
+        out = rows.long()
+        if self._mask is not None:
+            out &= self._mask
+        return out
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Batches without end, epoch after epoch."""
@@ -272,10 +288,10 @@ class TokenLoader:
         paths = [str(self.shards.files[plan.files[i]].path) for i in positions]
         counts = [plan.file_windows[i] for i in positions]
         rows = max(counts)
-        reader = _PoolReader(paths, pool_files=self.pool_files, rows=rows, pad=len(set(counts)) > 1, reader=self.reader,
-                             device_id=self._device_id(), num_threads=self.num_threads, prefetch=self.prefetch)
+        # Files shorter than the longest come last (see order.py): only the pools holding them are padded.
+        tail = next((j for j, c in enumerate(counts) if c < rows), len(counts)) // self.pool_files * self.pool_files
+        batches = self._read([(paths[:tail], False), (paths[tail:], True)], rows)
         try:
-            batches = iter(reader)
             for pool in range(first, plan.pools):
                 lo, hi = plan.pool_range(pool)
                 tokens = next(batches, None)
@@ -292,7 +308,20 @@ class TokenLoader:
                 stage = tokens.reshape(-1, tokens.shape[2]).to(self.device, non_blocking=True)
                 yield stage, torch.from_numpy(real).to(self.device, non_blocking=True)
         finally:
-            reader.close()
+            batches.close()
+
+    def _read(self, parts: list[tuple[list[str], bool]], rows: int) -> Generator[torch.Tensor, None, None]:
+        """The DALI batches of each ``(paths, pad)`` part in turn, one pipeline at a time."""
+        for paths, pad in parts:
+            if not paths:
+                continue
+            reader = _PoolReader(paths, pool_files=self.pool_files, rows=rows, pad=pad, dtype=self.shards.dtype,
+                                 reader=self.reader, device_id=self._device_id(), num_threads=self.num_threads,
+                                 prefetch=self.prefetch)
+            try:
+                yield from reader
+            finally:
+                reader.close()
 
     def _device_id(self) -> int | None:
         if self.reader != "gpu":

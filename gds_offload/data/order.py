@@ -2,7 +2,8 @@
 
 For epoch ``e`` the files are permuted by ``numpy.random.default_rng([seed, e])`` and dealt
 round-robin to the ranks (rank ``r`` of ``R`` takes positions ``r, r + R, ...``). A rank reads
-its files in that order and groups them into *pools* of ``pool_files`` consecutive files; the
+its files in that order (those shorter than the longest moved to the end, so that only the
+last pool mixes lengths) and groups them into *pools* of ``pool_files`` consecutive files; the
 windows of a pool are permuted by ``default_rng([seed, e, rank, pool])``. The epoch's window
 stream is the pools one after another; batch ``t`` of the epoch is windows
 ``[t * batch, (t + 1) * batch)`` of that stream. Every window of the rank's files appears
@@ -86,6 +87,8 @@ def plan_epoch(file_windows: tuple[int, ...], *, epoch: int, seed: int, shard_id
     fills; the rest of the stream is left out (:attr:`EpochPlan.left_out` says how many).
     """
     files = _rank_files(len(file_windows), seed=seed, epoch=epoch, shard_id=shard_id, num_shards=num_shards, shuffle=shuffle)
+    full = max(file_windows)
+    files = np.concatenate([files[[file_windows[i] == full for i in files]], files[[file_windows[i] < full for i in files]]])
     counts = tuple(int(file_windows[i]) for i in files)
     windows = sum(counts)
     if drop_last:
