@@ -7,8 +7,10 @@ none dropped, per rank too.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,12 +21,15 @@ from conftest import cuda_test
 
 from gds_offload.cli import main
 from gds_offload.data.format import ALIGN_BYTES, MANIFEST_NAME, ShardError, read_shard_header, scan_shards, write_shard
+from gds_offload.data.loader import TokenLoader
 from gds_offload.data.order import plan_epoch
 from gds_offload.data.writer import BYTE_VOCAB, EOT, ShardWriter, synthetic_tokens, text_documents, write_shards
 
-dali = pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (pip install 'gds_offload[data]')")
-
-from gds_offload.data.loader import TokenLoader  # noqa: E402 - after the DALI check
+#: Tests that read shards through DALI (building a loader and checking files does not need it).
+requires_dali = pytest.mark.skipif(
+    importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None,
+    reason="NVIDIA DALI is not installed (pip install 'gds_offload[data]')",
+)
 
 
 def synthetic(path: Path, tokens: int = 20_000, *, seq: int = 32, per_file: int = 50, vocab: int = 4096, seed: int = 0):
@@ -145,6 +150,14 @@ def test_bad_input_names_the_file(tmp_path: Path, shards: Path, case: str) -> No
     assert str(bad) in str(info.value)
 
 
+def test_without_dali_the_loader_says_how_to_install_it(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # import nvidia.dali now raises ImportError
+    loader = TokenLoader(shards, batch_size=4)  # checking the files needs no DALI
+    with pytest.raises(ValueError, match=r"pip install 'gds_offload\[data\]'"):
+        next(iter(loader))
+    assert loader.step == 0
+
+
 def test_wrong_seq_and_bad_arguments(shards: Path) -> None:
     with pytest.raises(ShardError, match="not seq 64; pass --seq 32"):
         TokenLoader(shards, batch_size=4, seq=64)
@@ -158,6 +171,7 @@ def test_wrong_seq_and_bad_arguments(shards: Path) -> None:
         TokenLoader(shards, batch_size=4, device="cpu", reader="gpu")
 
 
+@requires_dali
 # ---------------------------------------------------------------------- one epoch: everything, once
 @pytest.mark.parametrize("batch,pool_files", [(7, 3), (64, 1), (1000, 8)])
 def test_one_epoch_serves_every_window_once(shards: Path, batch: int, pool_files: int) -> None:
@@ -170,6 +184,7 @@ def test_one_epoch_serves_every_window_once(shards: Path, batch: int, pool_files
     assert Counter(second) == all_windows(shards) and second != got  # a new epoch, a new order
 
 
+@requires_dali
 def test_ranks_split_the_windows_exactly(shards: Path) -> None:
     per_rank = [served(TokenLoader(shards, batch_size=5, seed=3, shard_id=r, num_shards=3)) for r in range(3)]
     assert sum(map(Counter, per_rank), Counter()) == all_windows(shards)
@@ -180,6 +195,7 @@ def test_ranks_split_the_windows_exactly(shards: Path) -> None:
     assert sorted(i for p in plans for i in p.files) == list(range(13))
 
 
+@requires_dali
 def test_drop_last_gives_every_rank_the_same_whole_batches(shards: Path) -> None:
     with pytest.warns(UserWarning, match="leaves out"):
         loaders = [TokenLoader(shards, batch_size=8, shard_id=r, num_shards=2, drop_last=True) for r in range(2)]
@@ -188,6 +204,7 @@ def test_drop_last_gives_every_rank_the_same_whole_batches(shards: Path) -> None
     assert counts[0] == counts[1] == len(batches[0]) == len(batches[1]) and set(batches[0] + batches[1]) == {8}
 
 
+@requires_dali
 def test_order_is_a_function_of_the_seed(shards: Path) -> None:
     a = served(TokenLoader(shards, batch_size=16, seed=1))
     assert served(TokenLoader(shards, batch_size=16, seed=1)) == a
@@ -196,12 +213,14 @@ def test_order_is_a_function_of_the_seed(shards: Path) -> None:
     assert plain == [tuple(w) for f in scan_shards(shards).files for w in np.load(f.path).tolist()]
 
 
+@requires_dali
 def test_tokens_above_2_15_survive(tmp_path: Path) -> None:
     synthetic(tmp_path / "big", 5_000, seq=16, per_file=40, vocab=65536)
     got = served(TokenLoader(tmp_path / "big", batch_size=9))
     assert Counter(got) == all_windows(tmp_path / "big") and max(max(w) for w in got) >= 1 << 15
 
 
+@requires_dali
 # ---------------------------------------------------------------------- resumption
 def test_state_dict_resumes_exactly_mid_epoch_and_across_epochs(shards: Path) -> None:
     reference = TokenLoader(shards, batch_size=10, pool_files=2)
@@ -234,6 +253,7 @@ def test_a_state_from_another_order_is_refused(shards: Path, tmp_path: Path) -> 
 
 
 # ---------------------------------------------------------------------- the GPU reader
+@requires_dali
 @cuda_test
 def test_gpu_reader_serves_what_the_cpu_reader_serves(shards: Path) -> None:
     gpu = TokenLoader(shards, batch_size=16, device="cuda", reader="gpu")
@@ -243,6 +263,7 @@ def test_gpu_reader_serves_what_the_cpu_reader_serves(shards: Path) -> None:
 
 
 @pytest.mark.gds
+@requires_dali
 @cuda_test
 def test_gds_reader_path_reports_its_reader(shards: Path) -> None:
     from gds_offload.data.check import input_path_status
@@ -290,6 +311,7 @@ def test_shards_command_writes_checks_and_refuses(tmp_path: Path, capsys: pytest
     assert main(["shards"]) == 2
 
 
+@requires_dali
 def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gds_offload.bench.report import Section, render_section
     from gds_offload.bench.runner import RunResult
@@ -313,6 +335,7 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
     assert "| TokenLoader (DALI CPU reader) | 4 |" in page and "gds-offload shards --bench x" in page
 
 
+@requires_dali
 # ---------------------------------------------------------------------- training from shards
 def test_runner_trains_from_shards(shards: Path) -> None:
     from dataclasses import replace
