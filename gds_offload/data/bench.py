@@ -18,6 +18,7 @@ Each loader is measured ``rounds`` times, interleaved, and the median is reporte
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -134,13 +135,18 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
     dev = torch.device(device)
     sources: list[tuple[Measurement, Callable[[int], Iterable[dict[str, torch.Tensor]]]]] = []
     reader = "DALI GPU reader" if dev.type == "cuda" else "DALI CPU reader"
+
+    def token_loader(batch: int, k: int) -> Iterable[dict[str, torch.Tensor]]:
+        return TokenLoader(directory, batch_size=batch, seed=seed + k, device=dev)
+
+    def data_loader(batch: int, num_workers: int, k: int) -> Iterable[dict[str, torch.Tensor]]:
+        return memmap_loader(shards, batch=batch, seed=seed + k, num_workers=num_workers, pin_memory=dev.type == "cuda")
+
     for b in batches:
-        m = Measurement(f"TokenLoader ({reader})", b)
-        sources.append((m, lambda k, b=b: TokenLoader(directory, batch_size=b, seed=seed + k, device=dev)))
+        sources.append((Measurement(f"TokenLoader ({reader})", b), functools.partial(token_loader, b)))
         for w in workers:
             mw = Measurement(f"DataLoader, np.memmap, {w} worker{'s' if w != 1 else ''}", b)
-            sources.append((mw, lambda k, b=b, w=w: memmap_loader(shards, batch=b, seed=seed + k, num_workers=w,
-                                                                     pin_memory=dev.type == "cuda")))
+            sources.append((mw, functools.partial(data_loader, b, w)))
     rows = [m for m, _ in sources]
     for k in range(rounds):
         for m, make in sources[k % len(sources):] + sources[: k % len(sources)]:
