@@ -11,7 +11,8 @@ Layout, and why the unit of a read is one file of many windows
 --------------------------------------------------------------
 Each shard file is one array ``[windows, seq + 1]`` (about 2 MB by default: a multiple of
 the rows that fill whole 4 KiB pages), its header padded so the tokens start at byte 4096.
-The loader's DALI pipeline reads one whole file per iteration. Why not the alternatives:
+The loader's DALI pipeline reads files whole, a pool of them per DALI batch. Why not the
+alternatives:
 
 * **One file per window** makes every read as small as a window (1 KiB for 512 ``uint16``
   tokens, less than the 4 KiB-aligned header in front of it), and a corpus of a billion
@@ -22,10 +23,11 @@ The loader's DALI pipeline reads one whole file per iteration. Why not the alter
   kernel afterwards (``numpy_reader_gpu_op_impl.cu``), so each window would read its shard
   in full. The CPU reader does read only the ROI, but as small, unaligned ``pread``s.
 
-A file of a few MB is one large read, starting 4 KiB-aligned in the file and at the start
-of a ``cudaMalloc`` buffer (one file per DALI batch), which DALI cuts into
-``DALI_GDS_CHUNK_SIZE`` (2 MiB) cuFile requests. Shuffling then needs a second stage: the
-windows of ``pool_files`` files are permuted together (:mod:`gds_offload.data.order`).
+A file of a few MB is one large read, starting 4 KiB-aligned in the file and, as the files
+of a batch are whole pages laid end to end, at a 4 KiB-aligned offset of the batch's
+``cudaMalloc`` buffer; DALI cuts it into ``DALI_GDS_CHUNK_SIZE`` (2 MiB) cuFile requests.
+Shuffling then needs a second stage: the windows of the ``pool_files`` files of one DALI
+batch are permuted together (:mod:`gds_offload.data.order`).
 """
 from __future__ import annotations
 

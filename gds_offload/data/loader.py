@@ -6,10 +6,12 @@ has it, see :mod:`gds_offload.data.check`). Without one it is the same pipeline 
 (``device_id=None``, the CPU reader). Either way the pipeline is wrapped by
 ``nvidia.dali.plugin.pytorch.DALIGenericIterator`` and yields torch tensors.
 
-The pipeline reads one file per iteration (``batch_size=1``): a file is one read, whatever
-its length, and lands at the start of its own buffer. The loader gathers ``pool_files``
-files, permutes their windows and cuts batches (see :mod:`gds_offload.data.order` for the
-order and why a position can be resumed exactly).
+One DALI batch is one *pool*: ``pool_files`` files, each one whole read into one buffer
+(with the default file size, a whole number of 4 KiB pages, so each file starts aligned
+in GPU memory too). The loader gathers each training batch's windows from the pool in the
+pool's permuted order (see :mod:`gds_offload.data.order` for the order and why a position
+can be resumed exactly); while it serves one pool, DALI reads the next
+(``prefetch_queue_depth``).
 
 Example::
 
@@ -36,7 +38,7 @@ from gds_offload.data.format import ShardError, ShardSet, scan_shards
 from gds_offload.data.order import EpochPlan, plan_epoch, pool_permutation
 from gds_offload.errors import ConfigError
 
-__all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES", "dali_missing_message"]
+__all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES"]
 
 #: ``format`` of :meth:`TokenLoader.state_dict`.
 STATE_FORMAT = "gds_offload.data.TokenLoader/1"
@@ -47,7 +49,7 @@ _SIGNED_VIEW = {"uint16": "INT16", "uint32": "INT32"}
 _MUST_MATCH = ("seed", "num_shards", "shard_id", "batch_size", "pool_files", "shuffle", "drop_last", "dataset")
 
 
-def dali_missing_message(exc: BaseException) -> str:
+def _dali_missing(exc: BaseException) -> str:
     return (f"the token loader needs NVIDIA DALI ({type(exc).__name__}: {exc}); "
             f"install it with pip install 'gds_offload[data]' (nvidia-dali-cuda120)")
 
@@ -68,7 +70,7 @@ class _PoolReader:
             from nvidia.dali import fn, pipeline_def, types
             from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
         except ImportError as exc:
-            raise ConfigError(dali_missing_message(exc)) from exc
+            raise ConfigError(_dali_missing(exc)) from exc
 
         @pipeline_def(batch_size=pool_files, num_threads=num_threads, device_id=device_id,  # type: ignore[arg-type]
                       prefetch_queue_depth=prefetch)
@@ -125,7 +127,7 @@ class TokenLoader:
         drop_last: equal whole batches on every rank (for DDP); leaves out the remainder.
         pool_files: files whose windows are shuffled together.
         num_threads: DALI worker threads.
-        prefetch: DALI's prefetch queue depth (files read ahead).
+        prefetch: DALI's prefetch queue depth (pools read ahead).
         start_step: resume at this global step (batches served over all epochs).
 
     Raises:
