@@ -100,6 +100,9 @@ def test_writer_refuses_too_little_text_and_old_shards(tmp_path: Path) -> None:
     synthetic(tmp_path / "s")
     with pytest.raises(ShardError, match="already holds shards.*--overwrite"):
         synthetic(tmp_path / "s")
+    np.save(tmp_path / "s" / "mine.npy", np.zeros(3))
+    with pytest.raises(ShardError, match="mine.npy, which is not a shard"):
+        write_shards(tmp_path / "s", [np.zeros(100, np.uint16)], seq=4, vocab=10, tokenizer="x", overwrite=True)
     with pytest.raises(ShardError, match=r"missing\.txt does not exist"):
         list(text_documents([tmp_path / "missing.txt"]))
     with pytest.raises(ShardError, match="outside"):

@@ -238,7 +238,11 @@ def _prepare_directory(root: Path, overwrite: bool) -> None:
     if root.exists() and not root.is_dir():
         raise ShardError(f"output {root} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
-    old = sorted(root.glob("*.npy")) + ([root / MANIFEST_NAME] if (root / MANIFEST_NAME).exists() else [])
+    foreign = sorted(p for p in root.glob("*.npy") if not p.name.startswith("shard-"))
+    if foreign:
+        raise ShardError(f"output {root} holds {foreign[0].name}, which is not a shard (the loader reads every .npy "
+                         f"there); choose an empty directory")
+    old = sorted(root.glob("shard-*.npy*")) + ([root / MANIFEST_NAME] if (root / MANIFEST_NAME).exists() else [])
     if old and not overwrite:
         raise ShardError(f"output {root} already holds shards ({old[0].name}, ...); pass --overwrite to replace them, "
                          f"or choose another directory")
