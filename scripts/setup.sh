@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up gds_offload from a clean clone: a virtual environment in .venv with the
-# package (editable), KvikIO/CuPy for CUDA 12, and the test tools.
+# package (editable), KvikIO/CuPy for CUDA 12, NVIDIA DALI (the token loader), and the test tools.
 #
 # KvikIO needs libcuda.so.1 even for host-memory I/O. On a machine without the
 # NVIDIA driver, Debian's libcuda1 (section non-free) provides it; we install it
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${GDS_OFFLOAD_EXTRAS:-cu12,test}
+EXTRAS=${GDS_OFFLOAD_EXTRAS:-cu12,test,data}
 PY=${PYTHON:-python3}
 
 have_libcuda() { ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; }

@@ -144,6 +144,8 @@ class RunSpec:
     progress: bool = False
     #: Offload modes: alternate offloaded and paused steps (see :func:`run_here`).
     paired: bool = False
+    #: Train on token shards from this directory (:mod:`gds_offload.data.train`), not synthetic tokens.
+    data: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -425,6 +427,10 @@ def build_workload(spec: RunSpec) -> Workload:
     """
     import torch
 
+    if spec.data:
+        from gds_offload.data.train import with_data
+
+        return with_data(build_workload(replace(spec, data=None)), spec)
     torch.manual_seed(spec.seed)
     if spec.model == "gpt":
         from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch

@@ -86,6 +86,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, warmup: int) 
     p.add_argument("--prefetch-bytes", default=None, help="read-ahead window in backward, e.g. 512MiB (attach default)")
     p.add_argument("--num-threads", type=positive_int, default=None, help="engine I/O threads (engine default)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before a mode's process is killed (default: 1800)")
+    p.add_argument("--data", default=None, help="train on token shards from this directory (gds-offload shards) instead of synthetic tokens; sets --seq (and --vocab) from them")
     p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step ~30%% slower; see gds_offload.bench.runner)")
 
 
@@ -254,6 +255,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
     """
     from gds_offload.bench.gpt import GPTConfig, demo_preset
     from gds_offload.bench.runner import RunSpec
+    from gds_offload.data.train import data_defaults
     from gds_offload.units import parse_bandwidth, parse_bytes
 
     preset, preset_batch = demo_preset(device)
@@ -261,14 +263,16 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
     def given(value: int | None, default: int) -> int:
         return default if value is None else value  # 0 is refused by argparse, never "the default"
 
+    data = os.path.abspath(args.data) if getattr(args, "data", None) else None
+    data_seq, data_vocab = data_defaults(data) if data else (None, None)
     hidden = given(args.hidden, preset.hidden)
     heads = given(args.heads, preset.heads if args.hidden is None else max(1, hidden // 64))
     cfg = GPTConfig(
         layers=given(args.layers, preset.layers),
         hidden=hidden,
         heads=heads,
-        seq=given(args.seq, preset.seq),
-        vocab=given(args.vocab, preset.vocab),
+        seq=given(args.seq, data_seq or preset.seq),
+        vocab=given(args.vocab, max(preset.vocab, data_vocab or 0)),
         dropout=preset.dropout if args.dropout is None else args.dropout,
     )  # validates the shape for every model kind
     if args.max_bandwidth is not None:
@@ -296,6 +300,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
         num_threads=args.num_threads,
         measure_memory=not args.no_memory,
         paired=getattr(args, "paired", False),
+        data=data,
     )
 
 

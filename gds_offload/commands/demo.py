@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=150)  # a file or a pipe: no 80-column wrapping
     title = (f"gds-offload demo: {spec.model} layers={spec.layers} hidden={spec.hidden} heads={spec.heads} "
-             f"seq={spec.seq} batch={spec.batch} on {device}, {spec.warmup} warm-up + {spec.steps} steps per run")
+             f"seq={spec.seq} batch={spec.batch} on {device}, {spec.warmup} warm-up + {spec.steps} steps per run"
+             + (f", tokens from {spec.data}" if spec.data else ", synthetic tokens"))
     view = _LiveView(title)
     results = []
     for i, mode in enumerate(runs, 1):

@@ -1,0 +1,291 @@
+"""Token shards on disk: aligned ``.npy`` files of token windows, and the checks that read them.
+
+A shard directory holds ``shard-NNNNNN.npy`` files and a ``shards.json`` manifest. Each
+file is one C-order array ``[windows, seq + 1]`` of ``uint16`` (or ``uint32``/``int32``)
+tokens: window ``i`` is ``input_ids = w[:-1]``, ``labels = w[1:]``. Consecutive windows of
+the token stream overlap by one token, so every window stands alone and can be shuffled.
+
+The ``.npy`` header (format 1.0, which DALI reads) is padded with spaces to
+:data:`ALIGN_BYTES`, so the tokens start on a 4 KiB boundary: a GPUDirect Storage read of
+the data is aligned at its start in the file, and DALI's reader places it at the start of
+a ``cudaMalloc`` buffer. See :mod:`gds_offload.data` for why the unit of a read is a file.
+
+Every check raises :class:`ShardError` naming the file and what to do.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gds_offload.errors import ConfigError
+
+__all__ = [
+    "ALIGN_BYTES",
+    "TOKEN_DTYPES",
+    "MANIFEST_NAME",
+    "FORMAT",
+    "ShardError",
+    "ShardFile",
+    "ShardSet",
+    "shard_name",
+    "write_shard",
+    "read_shard_header",
+    "scan_shards",
+]
+
+#: Where the token data of a shard starts (bytes): the header is padded to this.
+ALIGN_BYTES = 4096
+#: Token dtypes a shard may hold (little-endian).
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+#: The manifest the shard writer leaves beside the shards.
+MANIFEST_NAME = "shards.json"
+#: ``format`` field of the manifest.
+FORMAT = "gds_offload.shards/1"
+_MAGIC = b"\x93NUMPY"
+_FIX = "write the directory again with `gds-offload shards`"
+
+
+class ShardError(ConfigError):
+    """A shard directory or file the loader cannot use. The message names the file."""
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One shard as its header describes it.
+
+    Attributes:
+        path: the file.
+        windows: rows of the array (token windows).
+        window_tokens: columns (``seq + 1``).
+        dtype: numpy dtype name of the tokens.
+        data_offset: byte offset of the first token (the header's length).
+    """
+
+    path: Path
+    windows: int
+    window_tokens: int
+    dtype: str
+    data_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of token data."""
+        return self.windows * self.window_tokens * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """A checked shard directory: its files in name order, all of one window length and dtype.
+
+    Attributes:
+        directory: the directory.
+        files: the shards, in name order.
+        seq: tokens per training sequence (each window holds ``seq + 1``).
+        dtype: the token dtype shared by every file.
+        vocab: vocabulary size from the manifest, None without one.
+        tokenizer: the manifest's tokenizer name (``bytes``, ``synthetic``), ``""`` without one.
+    """
+
+    directory: Path
+    files: tuple[ShardFile, ...]
+    seq: int
+    dtype: str
+    vocab: int | None = None
+    tokenizer: str = ""
+
+    @property
+    def windows(self) -> int:
+        return sum(f.windows for f in self.files)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in all windows (``windows * (seq + 1)``; the overlap counted twice)."""
+        return self.windows * (self.seq + 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def fingerprint(self) -> str:
+        """A digest of the names, window counts, window length and dtype (what an order depends on)."""
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        h.update(f"{self.seq}:{self.dtype}".encode())
+        for f in self.files:
+            h.update(f"|{f.path.name}:{f.windows}".encode())
+        return h.hexdigest()
+
+
+def shard_name(index: int) -> str:
+    """``shard-000042.npy``."""
+    return f"shard-{index:06d}.npy"
+
+
+def _header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """A format 1.0 ``.npy`` header padded with spaces to :data:`ALIGN_BYTES`."""
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    pad = ALIGN_BYTES - len(_MAGIC) - 4 - len(text) - 1
+    if pad < 0:
+        raise ShardError(f"a header for shape {shape} does not fit in {ALIGN_BYTES} bytes")
+    body = text.encode("latin1") + b" " * pad + b"\n"
+    return _MAGIC + b"\x01\x00" + struct.pack("<H", len(body)) + body
+
+
+def write_shard(path: Path, windows: np.ndarray) -> ShardFile:
+    """Write ``windows`` (``[n, seq + 1]``, a token dtype) as an aligned ``.npy``; atomically.
+
+    The bytes go to ``<path>.tmp`` first, which is renamed over ``path`` when complete,
+    so a reader never sees half a shard.
+
+    Raises:
+        ShardError: a shape or dtype the loader would refuse.
+    """
+    arr = np.ascontiguousarray(windows)
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2:
+        raise ShardError(f"{path}: windows must be [n >= 1, seq + 1 >= 2], got shape {arr.shape}")
+    if arr.dtype.name not in TOKEN_DTYPES:
+        raise ShardError(f"{path}: token dtype {arr.dtype} is not one of {TOKEN_DTYPES}")
+    arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_header(tuple(int(n) for n in arr.shape), arr.dtype))
+        arr.tofile(f)
+    os.replace(tmp, path)
+    return ShardFile(path, int(arr.shape[0]), int(arr.shape[1]), arr.dtype.name, ALIGN_BYTES)
+
+
+def _parse_header(path: Path, head: bytes) -> tuple[dict[str, Any], int]:
+    """The header dict and the data offset of ``head`` (the file's first bytes)."""
+    if head[:6] != _MAGIC:
+        raise ShardError(f"{path}: not a .npy file (no \\x93NUMPY magic at its start); {_FIX}")
+    if len(head) < 10:
+        raise ShardError(f"{path}: the .npy header is cut short ({len(head)} bytes); {_FIX}")
+    major, minor = head[6], head[7]
+    if (major, minor) != (1, 0):
+        raise ShardError(f"{path}: .npy format version {major}.{minor}; DALI reads only version 1.0 headers; {_FIX}")
+    (length,) = struct.unpack("<H", head[8:10])
+    offset = 10 + length
+    if len(head) < offset:
+        raise ShardError(f"{path}: the .npy header claims {length} bytes but the file has {len(head) - 10}; {_FIX}")
+    try:
+        meta = ast.literal_eval(head[10:offset].decode("latin1"))
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+        raise ShardError(f"{path}: corrupted .npy header ({type(exc).__name__}: {exc}); {_FIX}") from None
+    if not isinstance(meta, dict) or not {"descr", "fortran_order", "shape"} <= set(meta):
+        raise ShardError(f"{path}: corrupted .npy header (expected a dict with descr, fortran_order, shape); {_FIX}")
+    return meta, offset
+
+
+def read_shard_header(path: Path) -> ShardFile:
+    """Read and check one shard's header (and that the file holds all the data it announces).
+
+    Raises:
+        ShardError: not a ``.npy``, a corrupted header, a wrong dtype or shape, or a truncated file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(10 + 0xFFFF)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise ShardError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    meta, offset = _parse_header(path, head)
+    try:
+        dtype = np.dtype(meta["descr"])
+    except (TypeError, ValueError):
+        raise ShardError(f"{path}: corrupted .npy header (descr={meta['descr']!r} is no dtype); {_FIX}") from None
+    shape = meta["shape"]
+    if dtype.name not in TOKEN_DTYPES or dtype.byteorder == ">":
+        raise ShardError(f"{path}: tokens of dtype {dtype.str} ({dtype.name}); expected one of {TOKEN_DTYPES}, "
+                         f"little-endian; {_FIX}")
+    if meta["fortran_order"]:
+        raise ShardError(f"{path}: Fortran-order array; shards are C order ({_FIX})")
+    if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ShardError(f"{path}: corrupted .npy header (shape={shape!r}); {_FIX}")
+    if len(shape) != 2:
+        raise ShardError(f"{path}: a {len(shape)}-D array of shape {shape}; shards are [windows, seq + 1] token windows ({_FIX})")
+    if shape[0] < 1 or shape[1] < 2:
+        raise ShardError(f"{path}: shape {shape} is shorter than one window (need >= 1 window of >= 2 tokens); "
+                         f"remove the file or {_FIX}")
+    info = ShardFile(path, shape[0], shape[1], dtype.name, offset)
+    if size < offset + info.nbytes:
+        raise ShardError(f"{path}: truncated: the header announces {info.nbytes} bytes of tokens after byte {offset}, "
+                         f"the file has {size - offset}; {_FIX}")
+    return info
+
+
+def _read_manifest(directory: Path) -> dict[str, Any] | None:
+    path = directory / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardError(f"{path}: unreadable manifest ({exc}); {_FIX}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ShardError(f"{path}: not a {FORMAT} manifest; {_FIX}")
+    return doc
+
+
+def _check_manifest(directory: Path, doc: dict[str, Any], files: list[ShardFile]) -> None:
+    """The files on disk are those the manifest lists, with the same window counts."""
+    listed = {e["name"]: e["windows"] for e in doc.get("files", [])}
+    found = {f.path.name: f.windows for f in files}
+    missing = sorted(set(listed) - set(found))
+    if missing:
+        raise ShardError(f"{directory / missing[0]}: listed in {MANIFEST_NAME} but missing "
+                         f"({len(missing)} file(s) missing); restore it or {_FIX}")
+    extra = sorted(set(found) - set(listed))
+    if extra:
+        raise ShardError(f"{directory / extra[0]}: not listed in {MANIFEST_NAME}; move it out or {_FIX}")
+    for name, windows in found.items():
+        if listed[name] != windows:
+            raise ShardError(f"{directory / name}: {windows} windows, {MANIFEST_NAME} says {listed[name]}; {_FIX}")
+
+
+def scan_shards(directory: str | os.PathLike[str], *, seq: int | None = None) -> ShardSet:
+    """Check a shard directory: every ``*.npy`` header, one window length and dtype, the manifest.
+
+    Args:
+        directory: the directory ``gds-offload shards`` wrote.
+        seq: the sequence length the caller trains with; None accepts the files' own.
+
+    Raises:
+        ShardError: a missing or empty directory, a bad file (named), mixed window lengths or
+            dtypes, a window length other than ``seq + 1``, or files that differ from the manifest.
+    """
+    root = Path(directory)
+    if not root.exists():
+        raise ShardError(f"data directory {root} does not exist; write shards there with "
+                         f"`gds-offload shards {root} --text FILE...` (or --synthetic N)")
+    if not root.is_dir():
+        raise ShardError(f"data directory {root} is not a directory")
+    paths = sorted(p for p in root.glob("*.npy") if p.is_file())
+    if not paths:
+        raise ShardError(f"data directory {root} holds no .npy shards; write some with "
+                         f"`gds-offload shards {root} --text FILE...` (or --synthetic N)")
+    files = [read_shard_header(p) for p in paths]
+    first = files[0]
+    for f in files[1:]:
+        if f.window_tokens != first.window_tokens:
+            raise ShardError(f"{f.path}: windows of {f.window_tokens} tokens, but {first.path.name} has "
+                             f"{first.window_tokens}: one directory holds one sequence length; {_FIX}")
+        if f.dtype != first.dtype:
+            raise ShardError(f"{f.path}: tokens of dtype {f.dtype}, but {first.path.name} has {first.dtype}; {_FIX}")
+    if seq is not None and first.window_tokens != seq + 1:
+        raise ShardError(f"{root}: windows of {first.window_tokens} tokens (seq {first.window_tokens - 1}), "
+                         f"not seq {seq}; pass --seq {first.window_tokens - 1}, or write shards with --seq {seq}")
+    doc = _read_manifest(root)
+    vocab, tokenizer = None, ""
+    if doc is not None:
+        _check_manifest(root, doc, files)
+        vocab, tokenizer = doc.get("vocab"), str(doc.get("tokenizer", ""))
+    return ShardSet(root, tuple(files), first.window_tokens - 1, first.dtype, vocab, tokenizer)
