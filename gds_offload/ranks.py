@@ -43,7 +43,7 @@ import os
 import string
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -461,7 +461,9 @@ def _probe_node(root: Path = Path("/")) -> _AutoNode:
     return _AutoNode(gpus, candidates, base, notes)
 
 
-def nvme_candidates(default_dir: Path, root: Path = Path("/")) -> tuple[tuple[_Candidate, ...], tuple[str, ...]]:
+def nvme_candidates(
+    default_dir: Path, root: Path = Path("/"), *, device_of: Callable[[str], Any] | None = None
+) -> tuple[tuple[_Candidate, ...], tuple[str, ...]]:
     """One spill directory per NVMe drive holding a writable ext4/xfs filesystem.
 
     A drive's directory is ``default_dir`` when that lives on it, else
@@ -475,6 +477,8 @@ def nvme_candidates(default_dir: Path, root: Path = Path("/")) -> tuple[tuple[_C
     """
     from gds_offload.check.paths import PathProbe, find_mount, probe_block_device, read_mounts
 
+    if device_of is None:
+        device_of = lambda mountpoint: probe_block_device(os.stat(mountpoint).st_dev, root)  # noqa: E731
     mounts = read_mounts(root)
     existing = Path(default_dir)
     while not existing.exists() and existing != existing.parent:
@@ -488,7 +492,7 @@ def nvme_candidates(default_dir: Path, root: Path = Path("/")) -> tuple[tuple[_C
         if m.fstype not in _GDS_FSTYPES or "ro" in m.options or not os.path.isdir(m.mountpoint):
             continue
         try:
-            device = probe_block_device(os.stat(m.mountpoint).st_dev, root)
+            device = device_of(m.mountpoint)
         except OSError:
             continue
         if device is None or not device.nvme or not device.disk or device.disk in disks:
