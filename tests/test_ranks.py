@@ -274,3 +274,11 @@ def test_gds_check_ranks_cli(tmp_path):
     assert table.returncode == 0 and "/mnt/nvme1/spill" in table.stdout and "template" in table.stdout
     bad = run("--ranks", "2", "--path", "/mnt/{lr}")
     assert bad.returncode == 3 and "names {lr}" in bad.stderr
+
+
+def test_all_ranks_stats_refused_without_a_process_group(tmp_path):
+    assert not torch.distributed.is_initialized()
+    with gds_offload.attach(torch.nn.Sequential(torch.nn.Linear(8, 8)), path=tmp_path, mode="posix") as off:
+        with pytest.raises(ConfigError, match=r"none is initialised in this process; call torch.distributed.init_process_group\(\)"):
+            off.stats(all_ranks=True)
+        assert off.stats().ranks == 1
