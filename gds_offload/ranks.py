@@ -9,6 +9,7 @@ launchers, which set the same variables, or SLURM's ``srun``):
 ====================================  =======================================================
 ``None`` (the default)                ``<default>``; under a distributed launch (world size
                                       above 1) ``<default>/rank<r>``, created 0700
+                                      (``local<l>`` if the launcher names no global rank)
 ``"/mnt/nvme{local_rank}/spill"``     the template filled in: ``{local_rank}`` from
                                       ``LOCAL_RANK`` (``SLURM_LOCALID`` under srun),
                                       ``{rank}`` from ``RANK`` (``SLURM_PROCID``); a list of
@@ -111,6 +112,14 @@ class RankEnv:
         """More than one process in the job (per-rank default directories apply)."""
         return self.world_size > 1 or bool(self.rank)
 
+    @property
+    def subdir(self) -> str:
+        """This process's directory under a shared base: ``rank<rank>``, or ``local<local rank>``
+        when the launcher gives only the local rank."""
+        if self.rank is None and self.local_rank is not None:
+            return f"local{self.local_rank}"
+        return f"rank{self.rank or 0}"
+
     def value(self, name: str) -> int | None:
         """The value of a template field (``rank`` or ``local_rank``)."""
         return self.rank if name == "rank" else self.local_rank
@@ -134,8 +143,9 @@ def rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     """Read this process's rank from the launcher's environment.
 
     torchrun's variables win over SLURM's (``srun torchrun ...`` sets both; torchrun's
-    describe the process). Without either, an initialised ``torch.distributed`` default
-    group gives the rank (local rank unknown). Only ``torch.distributed`` already imported
+    describe the process). An initialised ``torch.distributed`` default group gives the
+    rank where ``RANK`` is missing (Lightning sets only ``LOCAL_RANK``), or where no
+    launcher variable is set (local rank unknown then). Only ``torch.distributed`` already imported
     is consulted: this never imports torch.
 
     Args:
@@ -148,14 +158,13 @@ def rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
         ConfigError: a launcher variable is set but not a non-negative integer.
     """
     env = os.environ if env is None else env
+    group = _initialised_group() if env is os.environ else None
     if any(k in env for k in ("RANK", "LOCAL_RANK")):
-        return RankEnv(
-            "torchrun",
-            _env_int(env, "RANK"),
-            _env_int(env, "LOCAL_RANK"),
-            _env_int(env, "WORLD_SIZE") or 1,
-            _env_int(env, "LOCAL_WORLD_SIZE"),
-        )
+        rank = _env_int(env, "RANK")
+        world = _env_int(env, "WORLD_SIZE")
+        if rank is None and group is not None:  # Lightning sets LOCAL_RANK and WORLD_SIZE, not RANK
+            rank, world = group
+        return RankEnv("torchrun", rank, _env_int(env, "LOCAL_RANK"), world or 1, _env_int(env, "LOCAL_WORLD_SIZE"))
     if "SLURM_PROCID" in env:
         return RankEnv(
             "slurm",
@@ -164,10 +173,17 @@ def rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
             _env_int(env, "SLURM_NTASKS") or _env_int(env, "SLURM_NPROCS") or 1,
             _env_int(env, "SLURM_NTASKS_PER_NODE") or _env_int(env, "SLURM_TASKS_PER_NODE"),
         )
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and env is os.environ and dist.is_available() and dist.is_initialized():
-        return RankEnv("torch.distributed", dist.get_rank(), None, dist.get_world_size(), None)
+    if group is not None:
+        return RankEnv("torch.distributed", group[0], None, group[1], None)
     return RankEnv()
+
+
+def _initialised_group() -> tuple[int, int] | None:
+    """(rank, world size) of torch.distributed's default group when one is initialised (never imports torch)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 # --------------------------------------------------------------------------------------
@@ -348,7 +364,7 @@ def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, 
         base = default_spill_dir()
         if not env.distributed:
             return Placement(env.rank, env.local_rank, (base,), "default", changed=False)
-        mine = base / f"rank{env.rank or 0}"
+        mine = base / env.subdir
         return Placement(env.rank, env.local_rank, (mine,), "default, per rank", create=(base, mine))
     if isinstance(path, str) and path == AUTO:
         node = _probe_node() if node is None else node
@@ -538,7 +554,7 @@ def auto_placement(env: RankEnv, node: _AutoNode, *, gpu: int | None = None) -> 
     Every rank computes the same answer from the same probes: no communication needed.
     """
     def per_rank_dir(base: Path, how: str, **kw: Any) -> Placement:
-        mine = base / f"rank{env.rank or 0}" if env.distributed else base
+        mine = base / env.subdir if env.distributed else base
         return Placement(env.rank, env.local_rank, (mine,), how, create=(base, mine) if mine != base else (base,), **kw)
 
     def fallback(why: str) -> Placement:

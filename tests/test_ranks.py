@@ -100,6 +100,8 @@ def test_default_path_is_per_rank_only_under_a_distributed_launch(tmp_path):
     for d in (got.parent, got):  # both private: the base is not left 0755 by mkdir(parents=True)
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
     assert rank_path(None, env={**TORCHRUN, "WORLD_SIZE": "1", "RANK": "0"}) is None
+    # Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, no RANK (before its process group exists)
+    assert rank_path(None, env={"LOCAL_RANK": "1", "WORLD_SIZE": "2"}) == tmp_path / "default" / "local1"
 
 
 def test_attach_under_torchrun_variables(tmp_path, monkeypatch):
