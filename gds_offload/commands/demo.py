@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", help="engine: auto, gds, compat, posix or host (default: auto)")
     p.add_argument("--policy", default="all", help="attach policy: all or adaptive (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without offloading (no comparison)")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel ranks, launched through torchrun (gds_offload/commands/demo_ranks.py)")
 
 
 def _gb(nbytes: float | None) -> str:
@@ -162,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.errors import ConfigError
 
     device = resolve_device(args.device)
+    if args.nproc != 1:  # several ranks: gds_offload/commands/demo_ranks.py
+        from gds_offload.commands.demo_ranks import launch
+
+        return launch(args)
     try:
         spec = base_spec(args, device)
         if args.steps % 2:

