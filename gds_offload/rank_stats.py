@@ -100,10 +100,12 @@ def reduce_stats(local: OffloadStats) -> OffloadStats:
     out |= {n: int(v) for n, v in zip(maxed, vm)}
     layer_i, layer_f = vi[len(summed):], vf[len(floats):]
     layers = []
+    n_i, n_f = len(_LAYER_INTS), len(_LAYER_FLOATS)
     for j, name in enumerate(names):
-        li = dict(zip(_LAYER_INTS, layer_i[j * len(_LAYER_INTS):(j + 1) * len(_LAYER_INTS)]))
-        lf = dict(zip(_LAYER_FLOATS, layer_f[j * len(_LAYER_FLOATS):(j + 1) * len(_LAYER_FLOATS)]))
-        layers.append(LayerStats(name, **{k: int(v) for k, v in li.items()}, **{k: float(v) for k, v in lf.items()}))
+        packed, offloaded, kept = (int(v) for v in layer_i[j * n_i:(j + 1) * n_i])
+        fwd_s, bwd_s = (float(v) for v in layer_f[j * n_f:(j + 1) * n_f])
+        layers.append(LayerStats(name, bytes_packed=packed, bytes_offloaded=offloaded, bytes_kept=kept,
+                                 forward_seconds=fwd_s, backward_seconds=bwd_s))
     return replace(
         local,
         **out,

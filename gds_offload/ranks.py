@@ -394,7 +394,9 @@ def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, 
     return Placement(env.rank, env.local_rank, tuple(Path(t) for t in filled), "template")
 
 
-def rank_path(path: Any, *, model: Any = None, env: Mapping[str, str] | None = None) -> Any:
+def rank_path(
+    path: Any, *, model: Any = None, env: Mapping[str, str] | None = None
+) -> str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None:
     """``attach(path=...)`` resolved for this process: what ``attach`` then treats as a plain path.
 
     Returns ``path`` unchanged when nothing is rank-specific (no launch and no field, or

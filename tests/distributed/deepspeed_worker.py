@@ -19,9 +19,9 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from dist_worker import BATCH, WIDTH, Net
 
 import gds_offload
-from dist_worker import BATCH, WIDTH, Net
 
 STEPS = 3
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_worker import BATCH, STEPS, WIDTH, Net
 from torch.nn.parallel import DistributedDataParallel
 
 import gds_offload
-from dist_worker import BATCH, STEPS, WIDTH, Net
 
 COUNTERS = ("bytes_packed", "bytes_offloaded", "bytes_fallback", "bytes_read", "bytes_kept", "steps", "peak_resident_bytes",
             "peak_writing_bytes", "stalls", "spill_file_bytes")

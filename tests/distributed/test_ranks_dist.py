@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 from conftest import real_disk_base
 from models import is_root, tmpfs
 
