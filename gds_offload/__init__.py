@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
     from gds_offload.offloader import OffloadConfig, Offloader, attach
     from gds_offload.policy import Budget, BudgetError, Plan
+    from gds_offload.ranks import PerRank, per_rank
     from gds_offload.stats import LayerStats, OffloadStats
 
 _EXPORTS = {
@@ -31,6 +32,8 @@ _EXPORTS = {
     "Budget": "gds_offload.policy",
     "BudgetError": "gds_offload.policy",
     "Plan": "gds_offload.policy",
+    "per_rank": "gds_offload.ranks",
+    "PerRank": "gds_offload.ranks",
     "OffloadStats": "gds_offload.stats",
     "LayerStats": "gds_offload.stats",
     "OffloadError": "gds_offload.errors",

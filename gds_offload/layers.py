@@ -11,7 +11,8 @@ __all__ = ["find_layers", "resolve_layers"]
 
 
 def _num_params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
+    # DeepSpeed ZeRO-3 partitions parameters in place: numel() is 0 outside its forward, ds_numel the full size.
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in m.parameters())
 
 
 def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

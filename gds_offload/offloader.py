@@ -58,6 +58,7 @@ from gds_offload.io import choose_engine, make_engine, validate_mode
 from gds_offload.io.base import Engine
 from gds_offload.layers import resolve_layers
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
+from gds_offload.ranks import PerRank, rank_path
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
 from gds_offload.store import Origin, Slot, SpillStore, check_dir, spill_dir_origin
@@ -298,8 +299,18 @@ class Offloader:
         self.scheduler.after_fork(engine, store)
 
     # ------------------------------------------------------------------ public
-    def stats(self, *, reset: bool = False) -> OffloadStats:
-        """A snapshot of the counters. ``reset=True`` zeroes them (peaks included) after reading."""
+    def stats(self, *, reset: bool = False, all_ranks: bool = False) -> OffloadStats:
+        """A snapshot of the counters. ``reset=True`` zeroes them (peaks included) after reading.
+
+        ``all_ranks=True`` combines every rank's counters over torch.distributed's default
+        process group (sums; the largest for peaks; see :mod:`gds_offload.rank_stats`). It
+        is a collective: every rank must call it at the same point. Raises
+        :class:`ConfigError` when no process group is initialised.
+        """
+        if all_ranks:
+            from gds_offload.rank_stats import reduce_stats
+
+            return reduce_stats(self.stats(reset=reset))
         live, layers = self.scheduler.snapshot()
         e = self.engine.stats()
         snap = replace(
@@ -413,7 +424,7 @@ class Offloader:
 def attach(
     model: nn.Module,
     *,
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | PerRank | None = None,
     mode: str = "auto",
     policy: str | Budget = "all",
     budget: int | str | None = None,
@@ -436,6 +447,9 @@ def attach(
             that does not exist is created (0700, parents as needed). Default:
             ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``, which must belong to you.
             Every directory passes :func:`~gds_offload.store.check_dir` (as in ``gds-check``).
+            Per rank (:mod:`gds_offload.ranks`): ``{rank}``/``{local_rank}`` templates,
+            :func:`~gds_offload.per_rank`, ``"auto"`` (the NVMe drive closest to the GPU);
+            under torchrun/SLURM the default becomes ``<default>/rank<rank>``.
         mode: ``auto`` (GDS where usable, else KvikIO compat, else POSIX), ``gds``,
             ``compat``, ``posix`` or ``host``.
         policy: ``all``: offload every eligible tensor outside the last ``keep_last`` layers;
@@ -598,6 +612,7 @@ def make_config(
         _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
     if not isinstance(verify, bool):
         raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
+    path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
     paths, origin = _checked_paths(path, origin)
     config = OffloadConfig(
         paths=paths,

@@ -30,6 +30,9 @@ class OffloadStats:
     engine_reason: str
     gds: bool
     steps: int = 0
+    #: Ranks these counters cover: 1, or the job's world size for ``stats(all_ranks=True)``
+    #: (see :mod:`gds_offload.rank_stats` for how each counter combines).
+    ranks: int = 1
     #: All activation bytes autograd saved through the hooks (parameters excluded).
     bytes_packed: int = 0
     #: Bytes saved again (same storage, or another view of it) and not stored twice.

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not open the cuFile driver (it can hang on a broken install)")
     parser.add_argument("--root", metavar="DIR", type=Path, default=Path("/"),
                         help="read /proc, /sys, /etc, /dev, /run under DIR (chroots, tests)")
+    # --ranks: gds_offload/check/rank_map.py
+    parser.add_argument("--ranks", metavar="N", nargs="?", type=int, const=0, default=None,
+                        help="show the spill directory of each of N local ranks (default: LOCAL_WORLD_SIZE, else one per GPU); "
+                             "--path may be a {local_rank}/{rank} template or 'auto'")
     return parser
 
 
@@ -219,6 +223,10 @@ def _run(args: argparse.Namespace) -> int:
 
     from gds_offload._version import __version__
 
+    if args.ranks is not None:  # gds_offload/check/rank_map.py
+        from gds_offload.check.rank_map import show_ranks
+
+        return show_ranks(args.path, args.ranks, json_out=args.json, root=args.root)
     env = os.environ
     if args.path:
         paths, origin = [Path(p) for p in args.path], "--path"

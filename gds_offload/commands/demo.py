@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", help="engine: auto, gds, compat, posix or host (default: auto)")
     p.add_argument("--policy", default="all", choices=("all", "adaptive"), help="attach policy: all or adaptive (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without offloading (no comparison)")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel ranks, launched through torchrun (gds_offload/commands/demo_ranks.py)")
 
 
 def _gb(nbytes: float | None) -> str:
@@ -162,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.runner import compare_losses, parse_mode, run_mode
     from gds_offload.errors import ConfigError
 
+    if args.nproc != 1:  # several ranks: gds_offload/commands/demo_ranks.py
+        from gds_offload.commands.demo_ranks import launch
+
+        return launch(args)
     try:
         device = resolve_device(args.device)
         spec = base_spec(args, device)

@@ -68,6 +68,10 @@ class OffloadCallback(TrainerCallback):
         offloader: the attached :class:`~gds_offload.Offloader` while training, else None.
         final_stats: the offloader's :class:`~gds_offload.OffloadStats` at the end of the
             last training run (None before one ended).
+        final_stats_all_ranks: under ``torchrun``/``accelerate launch`` (a process group of
+            more than one rank), every rank's final counters combined
+            (:meth:`~gds_offload.Offloader.stats` with ``all_ranks=True``, gathered when
+            training ends, on every rank); None otherwise.
 
     Raises:
         ConfigError: an argument :func:`gds_offload.attach` does not take.
@@ -82,6 +86,7 @@ class OffloadCallback(TrainerCallback):
         self.attach_kwargs = attach_kwargs
         self.offloader: Offloader | None = None
         self.final_stats: OffloadStats | None = None
+        self.final_stats_all_ranks: OffloadStats | None = None
 
     @classmethod
     def install(cls, trainer: Any, **attach_kwargs: Any) -> OffloadCallback:
@@ -124,5 +129,13 @@ class OffloadCallback(TrainerCallback):
         if self.offloader is None:
             return
         self.final_stats = self.offloader.stats()
+        if _world_size() > 1:  # the Trainer ends training on every rank: the collective is matched
+            self.final_stats_all_ranks = self.offloader.stats(all_ranks=True)
         self.offloader.detach()
         self.offloader = None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -6,7 +6,7 @@ same initial weights and inputs, each rank spilling to its own directory, and co
 losses and reduced gradients bit for bit. FSDP2 frees the unsharded parameters after
 forward and gathers them again in backward: the offloader must leave them alone (write
 only activations: as many bytes as under DDP) or backward sees freed memory.
-DeepSpeed is not tested here (not a dependency).
+DeepSpeed (ZeRO 1-3) is in ``test_deepspeed.py``.
 """
 from __future__ import annotations
 
