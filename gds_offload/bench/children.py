@@ -97,20 +97,32 @@ def _deferred() -> Iterator[None]:
         yield
     finally:
         _state.deferred -= 1
-        pending, _state.pending = _state.pending, None
-        if pending is not None and not _state.deferred and not _state.stopping:
-            _state.stopping = True
-            raise Terminated(pending)
+    _raise_pending()
+
+
+def _raise_pending() -> None:
+    pending, _state.pending = _state.pending, None
+    if pending is not None and not _state.deferred and not _state.stopping:
+        _state.stopping = True
+        raise Terminated(pending)
 
 
 def spawn(cmd: list[str], **popen_kw: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(cmd, **popen_kw)``, with this process's pid in the child's environment
-    (:data:`PARENT_ENV`). A stop signal during the start is raised once the ``Popen`` exists, so
-    the caller's ``finally: reap(proc)`` always has the child to reap."""
+    (:data:`PARENT_ENV`). A stop signal that arrives while the child starts is acted on once it
+    has started: the child is reaped, then :class:`Terminated` is raised, so no child is left
+    without an owner."""
     env = dict(popen_kw.pop("env", None) or os.environ)
     env[PARENT_ENV] = str(os.getpid())
-    with _deferred():
-        return subprocess.Popen(cmd, env=env, **popen_kw)
+    _state.deferred += 1
+    try:
+        proc = subprocess.Popen(cmd, env=env, **popen_kw)
+    finally:
+        _state.deferred -= 1
+    if _state.pending is not None and not _state.deferred:
+        reap(proc)
+        _raise_pending()
+    return proc
 
 
 def reap(proc: subprocess.Popen[Any], grace_s: float = GRACE_S) -> int:
