@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -122,11 +123,13 @@ def _document(args: argparse.Namespace, report: dict[str, Any], started: float, 
     size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])
     cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
     raw = max((r["bytes_per_s"] for r in report["raw_read"]), default=0) / 1e9
+    loads = [x for r in report["results"] if r.get("load_avg") for x in r["load_avg"]]
+    load = f"; the machine's load average went from {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
     about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
              f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
              f"resident and streamed-host uncapped (they hold every weight in memory); {spec['rounds']} round(s) interleaved, medians. "
-             f"The drive's raw O_DIRECT read rate in the same run: {raw:.2f} GB/s. On the resident row, x Accelerate is the ceiling "
-             f"a streamer that cost nothing would reach.")  # fmt: skip
+             f"The drive's raw O_DIRECT read rate in the same run: {raw:.2f} GB/s{load}. On the resident and streamed-host rows, "
+             f"x Accelerate is the ceiling a streamer that cost nothing would reach.")  # fmt: skip
     title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"
     plot_path = None
     if args.out and args.out != "-" and args.plot != "":

@@ -133,6 +133,8 @@ class ModeResult:
     cgroup_limit_bytes: int | None = None
     #: Fraction of the checkpoint's and the store's bytes in the page cache when the child started.
     cached_fraction_before: float | None = None
+    #: The machine's 1-minute load average when the child started and when it ended (other jobs show here).
+    load_avg: tuple[float, float] | None = None
     matches_resident: bool | None = None
     tokens: list[list[int]] = field(default_factory=list)
     logits_xxh3: str | None = None
@@ -194,6 +196,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     if memory_limit:
         env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # large frees go back to the kernel, not a heap the cap counts
     cap = MemoryCap(memory_limit) if memory_limit else None
+    load_before = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "gds_offload.weights.bench_child", json.dumps(asdict(spec))]
     try:
         proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -220,7 +223,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
         rows += [asdict(ModeResult(spec.mode, b, status="error", error=f"{why}: {tail}")) for b in spec.batch_sizes if b not in done]
     results = [ModeResult(**r) for r in rows]
     for r in results:
-        r.cached_fraction_before = fraction
+        r.cached_fraction_before, r.load_avg = fraction, (load_before, os.getloadavg()[0])
         if rep is not None:
             r.cgroup_limit_bytes, r.cgroup_peak_bytes = rep.limit_bytes, rep.peak_bytes
     return results

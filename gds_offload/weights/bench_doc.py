@@ -9,9 +9,10 @@ Targets (all within one run, ``drive`` against ``accelerate-disk``):
 * decode at batch 1 is at least Accelerate's tokens/s;
 * at every batch >= 8, prefill and decode are at least 2x Accelerate's tokens/s.
 
-Each tokens/s target also gets a ``ceiling``: the resident model's ratio to Accelerate, what
-streaming that cost nothing at all would reach (where compute alone takes longer than
-Accelerate's reads, no streamer can be 2x faster).
+Each tokens/s target also gets a ``ceiling``: the ratio to Accelerate of the faster mode that
+holds every weight in memory (resident, streamed-host), what streaming that cost nothing at
+all would reach (where compute alone takes longer than Accelerate's reads, no streamer can
+be 2x faster).
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     wanted = [(1, "decode", 1.0)] + [(b, phase, 2.0) for b in sorted(b for m, b in by if m == "drive" and b >= 8) for phase in ("prefill", "decode")]
     for batch, phase, need in wanted:
         key = f"{phase}_tokens_per_s"
-        drive, acc, res = (by.get((m, batch), {}).get(key) for m in ("drive", "accelerate-disk", "resident"))
-        # ceiling: the resident model's ratio, what streaming with no cost at all would reach.
-        out.append({"target": f"{phase} batch {batch}: tok/s / Accelerate's", "need": need, "value": _ratio(drive, acc), "ceiling": _ratio(res, acc)})
+        drive, acc, *held = (by.get((m, batch), {}).get(key) for m in ("drive", "accelerate-disk", "resident", "host"))
+        # ceiling: the faster in-memory mode's ratio, what streaming with no cost at all would reach.
+        best = max((h for h in held if h), default=None)
+        out.append({"target": f"{phase} batch {batch}: tok/s / Accelerate's", "need": need, "value": _ratio(drive, acc), "ceiling": _ratio(best, acc)})
     for t in out:
         t["met"] = None if t["value"] is None else t["value"] >= t["need"]
     return out
@@ -97,6 +99,7 @@ def plot(report: dict[str, Any], out: Path, *, title: str) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError as exc:
         raise ImportError(f"plotting needs matplotlib ({exc}); pip install 'gds_offload[plot]'") from exc
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +112,11 @@ def plot(report: dict[str, Any], out: Path, *, title: str) -> Path:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=LABELS.get(mode, mode))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        batches = sorted({r["batch"] for r in report["summary"]})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("batch size (sequences)")
         ax.set_ylabel(f"{name} tokens/s")
         ax.set_title(name)
