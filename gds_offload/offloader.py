@@ -481,6 +481,7 @@ def attach(
         GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
     """
     _check_model(model)
+    path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
     config = make_config(
         path=path, mode=mode, policy=policy, budget=budget, min_bytes=min_bytes, keep_last=keep_last,
         prefetch_bytes=prefetch_bytes, max_bandwidth=max_bandwidth, on_error=on_error, num_threads=num_threads,
@@ -612,7 +613,6 @@ def make_config(
         _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
     if not isinstance(verify, bool):
         raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
-    path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
     paths, origin = _checked_paths(path, origin)
     config = OffloadConfig(
         paths=paths,
