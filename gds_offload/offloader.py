@@ -472,6 +472,10 @@ def attach(
             read; a mismatch raises :class:`OffloadError` naming the layer, tensor, file and
             offset. Off by default: without it, bytes changed on disk go undetected
             (see :mod:`gds_offload.integrity`).
+        write_window: most bytes that writes in flight may hold in memory (int or ``"512MiB"``);
+            when it is full, the pack hook waits for writes to finish (``stats().write_wait_seconds``).
+            Default: twice the largest layer's offloaded bytes, at least 64 MiB. This bounds
+            memory when the drive is slower than forward produces activations.
 
     Returns:
         The :class:`Offloader`; also a context manager that detaches on exit.
