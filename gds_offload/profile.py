@@ -187,6 +187,8 @@ class ForwardRecord:
     clock: Clock
     #: Storages of the model's parameters and buffers: saved as they are, never offloaded.
     param_storages: frozenset[int]
+    #: What keeps those storages' addresses from being reused during this forward.
+    param_refs: list[Any] = field(default_factory=list)
     units: list[UnitRecord] = field(default_factory=list)
     dedup: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     #: Handles of this forward still held by autograd.

@@ -118,10 +118,14 @@ class Scheduler:
         with self._lock:
             self._raise_pending_error()
             self.forwards.drop_unreached()
-            storages = frozenset(p.untyped_storage()._cdata for p in params if not self._unsupported(p))
+            # Weak references keep each StorageImpl (not its memory) alive for the forward, so a
+            # parameter storage freed meanwhile (ZeRO-3 partitions them) cannot hand its address
+            # to an activation that would then pass for a parameter.
+            refs = [StorageWeakRef(p.untyped_storage()) for p in params if not self._unsupported(p)]
             self.policy.begin_forward(self.forwards.layer_calls_last or expected_layer_calls)
             device = params[0].device if params else torch.device("cpu")
-            fwd = self.forwards.begin(device, storages, self._stats.resident_bytes)
+            fwd = self.forwards.begin(device, frozenset(r.cdata for r in refs), self._stats.resident_bytes)
+            fwd.param_refs = refs
             self._stats.steps += 1
             return fwd.id
 
