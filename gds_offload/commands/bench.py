@@ -102,7 +102,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
 
     preset, preset_batch = demo_preset(device)
     data = os.path.abspath(args.data) if getattr(args, "data", None) else None
-    data_seq, data_vocab = data_defaults(data) if data else (None, None)
+    data_seq, data_vocab = data_defaults(data, seq=args.seq) if data else (None, None)
     hidden = args.hidden or preset.hidden
     heads = args.heads or (preset.heads if args.hidden is None else max(1, hidden // 64))
     cfg = GPTConfig(
