@@ -307,6 +307,7 @@ def test_shards_command_writes_checks_and_refuses(tmp_path: Path, capsys: pytest
     assert scan_shards(tmp_path / "t").vocab == BYTE_VOCAB
     assert main(["shards", str(tmp_path / "y"), "--synthetic", "3000", "--seq", "16", "--vocab", "100"]) == 0
     capsys.readouterr()
+    assert scan_shards(tmp_path / "y").sources == ("--synthetic 3000 --seed 0",)
     assert main(["shards", "--check", str(tmp_path / "y"), "--json"]) in (0, 1)
     assert json.loads(capsys.readouterr().out)["reader"] in ("cpu", "gds", "gpu-compat")
     assert main(["shards", str(tmp_path / "y"), "--synthetic", "3000"]) == 2

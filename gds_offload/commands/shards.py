@@ -62,13 +62,14 @@ def _write(args: argparse.Namespace) -> int:
         files = _text_files(args.text)
         if not files:
             raise _usage(f"--text {' '.join(args.text)}: no files found")
-        summary = write_shards(args.out, text_documents(files), vocab=BYTE_VOCAB, tokenizer="bytes", **common)
-        summary.sources = [str(f) for f in files]
+        summary = write_shards(args.out, text_documents(files), vocab=BYTE_VOCAB, tokenizer="bytes",
+                               sources=[str(f) for f in files], **common)
     else:
         if args.synthetic < 1:
             raise _usage(f"--synthetic {args.synthetic}: pass a positive number of tokens")
         summary = write_shards(args.out, synthetic_tokens(args.synthetic, vocab=args.vocab, seed=args.seed),
-                               vocab=args.vocab, tokenizer="synthetic", **common)
+                               vocab=args.vocab, tokenizer="synthetic", sources=[f"--synthetic {args.synthetic} --seed {args.seed}"],
+                               **common)
     print(f"{summary.directory}: {len(summary.files)} file{'s' if len(summary.files) != 1 else ''}, {summary.windows:,} windows of {summary.seq + 1} {summary.dtype} "
           f"tokens ({format_bytes(summary.nbytes)}), {summary.windows_per_file} windows per file, vocab {summary.vocab}")
     if summary.tail_tokens:

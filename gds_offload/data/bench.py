@@ -131,6 +131,7 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
 
     say = progress or (lambda _msg: None)
     started = time.time()
+    load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     shards = scan_shards(directory)
     dev = torch.device(device)
     sources: list[tuple[Measurement, Callable[[int], Iterable[dict[str, torch.Tensor]]]]] = []
@@ -161,12 +162,12 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
     demo_tps = demo.tokens_per_s if demo.status == "ok" else None
     return _document(shards, rows, spec, demo, demo_tps, rounds=rounds, max_windows=max_windows, device=device,
                      command=command, commit=current_commit(), machine=describe_machine(shards.directory).as_dict(),
-                     started=started)
+                     started=started, load_average=load_average)
 
 
 def _document(shards: ShardSet, rows: list[Measurement], spec: Any, demo: Any, demo_tps: float | None, *, rounds: int,
               max_windows: int | None, device: str, command: str, commit: str | None, machine: dict[str, Any],
-              started: float) -> dict[str, Any]:
+              started: float, load_average: float | None = None) -> dict[str, Any]:
     columns = ["source", "batch", "tokens/s (median)", "range, M tokens/s", "x demo step", "x best DataLoader, same batch"]
     table: list[list[str]] = []
     verdicts: list[str] = []
@@ -185,8 +186,13 @@ def _document(shards: ShardSet, rows: list[Measurement], spec: Any, demo: Any, d
     else:
         table.append([demo_row, str(spec.batch), f"{demo.status}: {demo.error[:80]}", "-", "-", "-"])
     span = f"the first {max_windows} windows of an epoch" if max_windows else "one epoch"
+    if shards.tokenizer == "synthetic" and shards.sources:
+        origin = f"written by `gds-offload shards DIR {shards.sources[0]}`"
+    else:
+        origin = f"tokenizer {shards.tokenizer or 'unknown'}, {len(shards.sources)} source file(s)"
+    load = f"; load average {load_average:.1f} at the start (a shared machine)" if load_average is not None else ""
     about = (f"{len(shards.files)} shard files ({shards.nbytes / 1e6:,.0f} MB, {shards.windows:,} windows of {shards.seq + 1} "
-             f"{shards.dtype} tokens, tokenizer {shards.tokenizer or 'unknown'}) on {device}; each loader serves {span} of "
+             f"{shards.dtype} tokens, {origin}) on {device}{load}; each loader serves {span} of "
              f"shuffled batches, {rounds} rounds interleaved, files in the page cache after the first round. "
              f"Tokens counted are input tokens (windows x seq). The demo step trains the demo model from the same shards "
              f"in its own process (median of {spec.steps} steps after 1 warm-up). Targets: " + "; ".join(verdicts) + ".")
@@ -205,4 +211,5 @@ def _document(shards: ShardSet, rows: list[Measurement], spec: Any, demo: Any, d
         "demo": {"spec": spec.to_json(), "status": demo.status, "error": demo.error, "tokens_per_s": demo_tps,
                  "step_seconds": demo.step_seconds},
         "directory": str(Path(shards.directory).resolve()),
+        "load_average": load_average,
     }

@@ -91,6 +91,7 @@ class ShardSet:
         dtype: the token dtype shared by every file.
         vocab: vocabulary size from the manifest, None without one.
         tokenizer: the manifest's tokenizer name (``bytes``, ``synthetic``), ``""`` without one.
+        sources: the manifest's sources (text files, or the synthetic stream's arguments).
     """
 
     directory: Path
@@ -99,6 +100,7 @@ class ShardSet:
     dtype: str
     vocab: int | None = None
     tokenizer: str = ""
+    sources: tuple[str, ...] = ()
 
     @property
     def windows(self) -> int:
@@ -285,7 +287,8 @@ def scan_shards(directory: str | os.PathLike[str], *, seq: int | None = None) ->
                          f"not seq {seq}; pass --seq {first.window_tokens - 1}, or write shards with --seq {seq}")
     doc = _read_manifest(root)
     vocab, tokenizer = None, ""
+    sources: tuple[str, ...] = ()
     if doc is not None:
         _check_manifest(root, doc, files)
-        vocab, tokenizer = doc.get("vocab"), str(doc.get("tokenizer", ""))
-    return ShardSet(root, tuple(files), first.window_tokens - 1, first.dtype, vocab, tokenizer)
+        vocab, tokenizer, sources = doc.get("vocab"), str(doc.get("tokenizer", "")), tuple(map(str, doc.get("sources", [])))
+    return ShardSet(root, tuple(files), first.window_tokens - 1, first.dtype, vocab, tokenizer, sources)

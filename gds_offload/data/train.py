@@ -23,13 +23,13 @@ __all__ = ["StepBatches", "data_defaults", "with_data", "DATA_MODELS"]
 DATA_MODELS = ("gpt", "llama", "gpt2")
 
 
-def data_defaults(directory: str | os.PathLike[str]) -> tuple[int, int | None]:
+def data_defaults(directory: str | os.PathLike[str], *, seq: int | None = None) -> tuple[int, int | None]:
     """``(seq, vocab)`` of a shard directory (vocab None without a manifest).
 
     Raises:
-        ShardError: a bad directory or file.
+        ShardError: a bad directory or file, or windows of another length than ``seq + 1``.
     """
-    shards = scan_shards(directory)
+    shards = scan_shards(directory, seq=seq)
     return shards.seq, shards.vocab
 
 

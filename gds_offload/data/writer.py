@@ -105,6 +105,7 @@ class WriteSummary:
     stream_tokens: int = 0
     #: Tokens after the last whole window: too few to form one, not in any shard.
     tail_tokens: int = 0
+    #: Where the tokens came from (the text files, or the synthetic stream's arguments).
     sources: list[str] = field(default_factory=list)
 
     @property
@@ -145,7 +146,7 @@ class ShardWriter:
 
     def __init__(self, directory: str | os.PathLike[str], *, seq: int, vocab: int, tokenizer: str,
                  windows_per_file: int | None = None, file_bytes: int = DEFAULT_FILE_BYTES,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, sources: list[str] | None = None) -> None:
         if seq < 1:
             raise ShardError(f"seq={seq} must be >= 1")
         if vocab < 1 or vocab > 2**31:
@@ -156,7 +157,7 @@ class ShardWriter:
             raise ShardError(f"windows_per_file={per_file} must be >= 1")
         root = Path(directory)
         _prepare_directory(root, overwrite)
-        self.summary = WriteSummary(root, seq, dtype, vocab, tokenizer, per_file)
+        self.summary = WriteSummary(root, seq, dtype, vocab, tokenizer, per_file, sources=list(sources or []))
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
         self._rows: list[np.ndarray] = []
