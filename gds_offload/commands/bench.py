@@ -264,15 +264,9 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
         return default if value is None else value  # 0 is refused by argparse, never "the default"
 
     data = os.path.abspath(args.data) if getattr(args, "data", None) else None
-<<<<<<< HEAD
-    data_seq, data_vocab = data_defaults(data) if data else (None, None)
+    data_seq, data_vocab = data_defaults(data, seq=args.seq) if data else (None, None)
     hidden = given(args.hidden, preset.hidden)
     heads = given(args.heads, preset.heads if args.hidden is None else max(1, hidden // 64))
-=======
-    data_seq, data_vocab = data_defaults(data, seq=args.seq) if data else (None, None)
-    hidden = args.hidden or preset.hidden
-    heads = args.heads or (preset.heads if args.hidden is None else max(1, hidden // 64))
->>>>>>> wt-data
     cfg = GPTConfig(
         layers=given(args.layers, preset.layers),
         hidden=hidden,
