@@ -102,12 +102,17 @@ def _machine_line(m: dict[str, Any] | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def _load_line(load: dict[str, list[float]] | None) -> str:
+def _load_line(load: Any) -> str:
     """The 1-minute load average at the start and end of the run: other work on the machine
     moves step times (not memory, not exactness)."""
     if not load:
         return ""
-    return f"; load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end"
+    if isinstance(load, dict):
+        first = [v[0] if isinstance(v, (list, tuple)) else v for v in (load.get("start"), load.get("end"))]
+        return f"; load average {first[0]:.1f} at the start, {first[1]:.1f} at the end"
+    if isinstance(load, (list, tuple)):
+        load = load[0]
+    return f"; load average {float(load):.1f}"
 
 
 def _ratio(x: float | None) -> str:
