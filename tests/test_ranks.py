@@ -119,8 +119,10 @@ def test_attach_under_torchrun_variables(tmp_path, monkeypatch):
         assert off.config.paths == (tmp_path / "nvme1", tmp_path)
     with pytest.raises(ConfigError, match="per_rank"):
         gds_offload.attach(model, path={1: str(tmp_path)})
-    with pytest.raises(ConfigError, match="does not exist"):  # a named directory is never created
-        gds_offload.attach(model, path=str(tmp_path / "missing{rank}"), mode="posix")
+    # A named directory that does not exist is created 0700, as any explicit path is.
+    with gds_offload.attach(model, path=str(tmp_path / "missing{rank}"), mode="posix") as off:
+        assert off.config.paths == (tmp_path / "missing1",)
+    assert (tmp_path / "missing1").stat().st_mode & 0o777 == 0o700
 
 
 # ------------------------------------------------------------------------------------------

@@ -76,13 +76,14 @@ def input_path_status(path: str | Path, *, root: Path = Path("/")) -> InputPathS
     facts: dict[str, str] = {}
     dali = _safe(dali_version)
     facts["dali"] = dali or "not installed"
-    probe = probe_path(Path(path), root=root, create=False)
+    probe = probe_path(Path(path), root=root)  # a probe creates nothing
     facts["path"] = probe.error or f"{probe.path}: {probe.fstype or 'unknown filesystem'} at {probe.mountpoint or '?'}"
     if dali is None:
         return InputPathStatus(where, "unusable", False, "NVIDIA DALI is not installed",
                                "pip install 'gds_offload[data]' (nvidia-dali-cuda120)", facts)
-    if probe.error and not probe.exists:
-        return InputPathStatus(where, "unusable", False, probe.error, "pass the directory gds-offload shards wrote", facts)
+    if not Path(path).is_dir():  # the probe judges a missing directory by its ancestor; shards must exist
+        return InputPathStatus(where, "unusable", False, probe.error or f"{where} is not a directory",
+                               "pass the directory gds-offload shards wrote", facts)
     gpus = probe_gpus(root)
     facts["gpu"] = ", ".join(g.name for g in gpus.gpus) if gpus.available else (gpus.error or "no CUDA GPU visible to torch")
     cufile = probe_libcufile(root)
