@@ -236,7 +236,7 @@ fi
 # GDS_TEST_DIR (an NVMe directory) when set, so the drive mode can use GPUDirect Storage there.
 WEIGHTS_WORK="${GDS_TEST_DIR:-$OUTDIR}/gds_offload-bench-weights-$$"
 WBENCH=("$PY" -m gds_offload.cli bench-weights --device cuda --hidden 512 --intermediate 1408 --layers 8
-        --vocab 8000 --batch-sizes 1,8 --prompt-len 32 --new-tokens 5 --raw-depths 4,16
+        --vocab 8000 --batch-sizes "1,8" --prompt-len 32 --new-tokens 5 --raw-depths "4,16"
         --workdir "$WEIGHTS_WORK" --out "$OUTDIR/bench-weights.json")
 if [ "$DRY_RUN" = 1 ]; then
     skip_part bench-weights "${WBENCH[@]}"

@@ -19,9 +19,10 @@ have_libcuda() { ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; }
 if ! have_libcuda; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "setup: libcuda.so.1 missing; installing Debian's libcuda1 (contrib non-free) for KvikIO's host I/O"
-        for f in /etc/apt/sources.list.d/debian.sources; do
-            [ -f "$f" ] && sed -i -E 's/^Components: main$/Components: main contrib non-free/' "$f"
-        done
+        f=/etc/apt/sources.list.d/debian.sources
+        if [ -f "$f" ]; then
+            sed -i -E 's/^Components: main$/Components: main contrib non-free/' "$f"
+        fi
         if [ -f /etc/apt/sources.list ]; then
             sed -i -E '/^deb .*debian/ s/ main$/ main contrib non-free/' /etc/apt/sources.list
         fi
