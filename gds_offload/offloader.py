@@ -485,13 +485,22 @@ def attach(
         GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
     """
     _check_model(model)
-    path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
+    if _is_path_spec(path):  # anything else is refused by make_config, with its own message
+        path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
     config = make_config(
         path=path, mode=mode, policy=policy, budget=budget, min_bytes=min_bytes, keep_last=keep_last,
         prefetch_bytes=prefetch_bytes, max_bandwidth=max_bandwidth, on_error=on_error, num_threads=num_threads,
         verify=verify, write_window=write_window,
     )
     return Offloader(model, config, resolve_layers(model, _checked_layers(layers)))
+
+
+def _is_path_spec(path: Any) -> bool:
+    """Whether ``path`` has a shape :func:`~gds_offload.ranks.rank_path` resolves (None, a
+    directory, a list of them, :func:`~gds_offload.per_rank`)."""
+    if path is None or isinstance(path, (str, os.PathLike, PerRank, dict)):  # a dict: rank_path points to per_rank
+        return True
+    return isinstance(path, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in path)
 
 
 def _check_model(model: Any) -> None:
