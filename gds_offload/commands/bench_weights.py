@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default 2048)")
     p.add_argument("--intermediate", type=positive_int, default=None, help="MLP size (default 5632)")
-    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default 16)")
+    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default 12)")
     p.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (default 16000)")
     p.add_argument("--dtype", default=None, help="float32 (default) or bfloat16")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,8,64)")
@@ -127,7 +127,8 @@ def _document(args: argparse.Namespace, report: dict[str, Any], started: float, 
     load = f"; the machine's load average went from {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
     about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
              f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
-             f"resident and streamed-host uncapped (they hold every weight in memory); {spec['rounds']} round(s) interleaved, medians. "
+             f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
+             f"{spec['rounds']} round(s) interleaved, medians. "
              f"The drive's raw O_DIRECT read rate in the same run: {raw:.2f} GB/s{load}. On the resident and streamed-host rows, "
              f"x Accelerate is the ceiling a streamer that cost nothing would reach.")  # fmt: skip
     title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"

@@ -1,5 +1,6 @@
 """Weight offloading (the Balance Beam half): a model's weights in an aligned store on NVMe,
-streamed layer by layer into a ring of preallocated buffers while the previous layer computes.
+streamed layer by layer into a ring of preallocated buffers (host memory, or GPU memory through
+KvikIO/GPUDirect Storage) while the previous layer computes.
 
 * :func:`convert` / :func:`verify_store`: a safetensors checkpoint -> a store (``gds-offload convert``).
 * :func:`load_streamed` -> :class:`StreamedModel`: a meta-device skeleton whose layers stream from a store.

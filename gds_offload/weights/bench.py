@@ -7,8 +7,12 @@ to it; measures the drive's raw ``O_DIRECT`` read rate on the store's file
 (:func:`~gds_offload.weights.drive.raw_read_bandwidth`, several requests in flight), before
 and after the modes; then runs each mode in a child (:mod:`gds_offload.weights.bench_child`,
 which says what is measured). Modes in :data:`CAPPED` run in a cgroup v1 memory group of
-their own below the weights' size (:mod:`gds_offload.weights.cgroup`; page cache included),
-with ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed activations go back to the kernel.
+their own below the weights' size (:mod:`gds_offload.weights.cgroup`; page cache included).
+Every child runs with ``MALLOC_MMAP_THRESHOLD_=1048576``: under a cap, freed activations and
+layers must go back to the kernel rather than stay in glibc's heap; and since each allocation
+of 1 MiB or more then costs fresh page faults (a batch-8 prefill took 1.3-2x as long with it
+as without, in the ``host`` mode on the 2-CPU test VM), the uncapped modes get it too, so no
+mode's compute is measured with a cheaper allocator than another's.
 
 Modes:
 
@@ -76,8 +80,9 @@ class BenchModel:
 
 
 TINY = BenchModel(hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=256)
-#: 16 layers of 180 MB and 262 MB resident (3.15 GB fp32): several times a 1.2 GB cap.
-DEFAULT_MODEL = BenchModel(hidden=2048, intermediate=5632, layers=16, heads=16, kv_heads=4, vocab=16000)
+#: 12 layers of 180 MB and 262 MB resident (2.42 GB fp32): twice a 1.2 GiB cap, and a run of
+#: every mode, twice, in about a quarter of an hour on a loaded 2-CPU VM.
+DEFAULT_MODEL = BenchModel(hidden=2048, intermediate=5632, layers=12, heads=16, kv_heads=4, vocab=16000)
 
 
 @dataclass(frozen=True)
@@ -193,8 +198,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     fraction = sum(c for c, _ in cached.values()) / max(1, sum(n for _, n in cached.values()))
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see bench/runner.py)
-    if memory_limit:
-        env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # large frees go back to the kernel, not a heap the cap counts
+    env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # every mode: large frees go back to the kernel (see the module doc)
     cap = MemoryCap(memory_limit) if memory_limit else None
     load_before = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "gds_offload.weights.bench_child", json.dumps(asdict(spec))]
