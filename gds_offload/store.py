@@ -132,9 +132,11 @@ def _elsewhere(origin: Origin) -> str:
     }[origin]
 
 
-def _mount_fstype(real: Path) -> tuple[str, str]:
-    """(filesystem type, mount point) of the longest ``/proc/mounts`` entry holding ``real``."""
-    best, fstype = "", ""
+def mount_of(path: Path) -> tuple[str, str, str]:
+    """(device, mount point, filesystem type) of the longest ``/proc/mounts`` entry holding
+    ``path`` (resolved); ``("unknown", "", "unknown")`` when none can be read."""
+    target = str(Path(path).resolve())
+    best = ("unknown", "", "unknown")
     try:
         with open("/proc/mounts") as fh:
             for line in fh:
@@ -142,12 +144,18 @@ def _mount_fstype(real: Path) -> tuple[str, str]:
                 if len(parts) < 3:
                     continue
                 mnt = parts[1].replace("\\040", " ")
-                inside = str(real) == mnt or str(real).startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, parts[2]
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[1]):
+                    best = (parts[0], mnt, parts[2])
     except OSError:
         pass
-    return fstype, best
+    return best
+
+
+def _mount_fstype(real: Path) -> tuple[str, str]:
+    """(filesystem type, mount point) holding ``real``; empty strings when unknown."""
+    _, mnt, fstype = mount_of(real)
+    return ("", "") if not mnt else (fstype, mnt)
 
 
 def _filesystem_problem(real: Path) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.errors import ConfigError
+from gds_offload.store import mount_of
 
 __all__ = [
     "FIO_BLOCK_BYTES",
@@ -59,25 +60,6 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # ---------------------------------------------------------------------------------------
 # the machine
 # ---------------------------------------------------------------------------------------
-def _mount_of(path: Path) -> tuple[str, str, str]:
-    """(device, mount point, filesystem type) of the mount holding ``path``."""
-    target = str(Path(path).resolve())
-    best = ("unknown", "", "unknown")
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1]
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best[1]):
-                    best = (parts[0], mnt, parts[2])
-    except OSError:
-        pass
-    return best
-
-
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text().strip()
@@ -96,7 +78,7 @@ def machine_info(path: Path) -> dict[str, Any]:
     for line in (_read("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
             mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    device, mount, fstype = _mount_of(path)
+    device, mount, fstype = mount_of(path)
     name = Path(device).name
     sys_block = f"/sys/class/block/{name}"
     model = _read(f"{sys_block}/device/model") or _read(f"{sys_block}/../device/model")
