@@ -42,3 +42,22 @@ def test_a_result_without_a_command_is_refused_by_name(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2 and "bad.json" in done.stderr and "command" in done.stderr
+
+
+def test_targets_render_met_missed_and_out_of_reach(tmp_path: Path) -> None:
+    """A target whose ceiling (the same work with no data movement) is below its need is shown
+    as out of reach, not as a miss the method could fix; the others as met or missed."""
+    (tmp_path / "t.json").write_text(json.dumps({
+        "kind": "table", "title": "T", "command": "gds-offload t", "table": {"columns": ["a"], "rows": [["1"]]},
+        "targets": [
+            {"target": "fast", "need": 2.0, "value": 2.5, "ceiling": 3.0, "met": True},
+            {"target": "slow", "need": 2.0, "value": 1.5, "ceiling": 3.0, "met": False},
+            {"target": "bound", "need": 2.0, "value": 1.2, "ceiling": 1.1, "met": False},
+            {"target": "absent", "need": 1.0, "value": None, "met": None},
+        ],
+    }))
+    page = render_page(load_sections(tmp_path), tmp_path, command="gds-offload report")
+    assert "| fast | >= 2 | 2.50 | 3.00 | met |" in page
+    assert "| slow | >= 2 | 1.50 | 3.00 | missed |" in page
+    assert "| bound | >= 2 | 1.20 | 1.10 | out of reach here: the ceiling is below the need |" in page
+    assert "| absent | >= 1 | - | - | not run |" in page

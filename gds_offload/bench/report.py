@@ -172,6 +172,33 @@ def _generic(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _targets(doc: dict[str, Any]) -> list[str]:
+    """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally
+    ``ceiling``): met, missed, or out of reach on this machine, where even the ceiling (the
+    same work with no data movement at all, measured in the same run) falls short of the need."""
+    targets = doc.get("targets")
+    if not isinstance(targets, list) or not targets:
+        return []
+    with_ceiling = any("ceiling" in t for t in targets)
+    head = ["target", "need", "measured", *(["ceiling (no data movement)"] if with_ceiling else []), "verdict"]
+    out = ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for t in targets:
+        value, ceiling = t.get("value"), t.get("ceiling")
+        if t.get("met") is None:
+            verdict = "not run"
+        elif t["met"]:
+            verdict = "met"
+        elif ceiling is not None and ceiling < t["need"]:
+            verdict = "out of reach here: the ceiling is below the need"
+        else:
+            verdict = "missed"
+        cells = [str(t["target"]), f">= {t['need']:g}", "-" if value is None else f"{value:.2f}"]
+        if with_ceiling:
+            cells.append("-" if ceiling is None else f"{ceiling:.2f}")
+        out.append("| " + " | ".join([*cells, verdict]) + " |")
+    return out
+
+
 #: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"bench": _bench_table, "table": _generic}
 
@@ -193,6 +220,7 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
         "",
     ]
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
+    lines += _targets(doc)
     plot = Path(doc["plot"]) if doc.get("plot") else None
     # A path from the repository root, as the command was run; only plots kept beside the page.
     if plot is not None and plot.exists() and plot.resolve().is_relative_to(page_dir.resolve()):
