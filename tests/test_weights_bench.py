@@ -38,6 +38,9 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
     # The drive mode fills every layer once per forward (the next forward's first layers are prefetched at the end of each).
     assert rows["drive"]["store_bytes_per_forward"] == doc["model"]["layers_nbytes"]
     assert [p["when"] for p in doc["raw_read"]] == ["before", "after"] and all(p["bytes_per_s"] > 0 for p in doc["raw_read"])
+    probe = doc["interference"]  # compute timed alone and beside reads: what bounds the drive's targets
+    assert probe["alone_s"] > 0 and probe["with_reads_s"] > 0 and probe["read_bytes_per_s"] > 0
+    assert probe["slowdown"] == probe["with_reads_s"] / probe["alone_s"]
     # What gds-offload report renders.
     assert doc["kind"] == "table" and doc["command"].startswith("gds-offload bench-weights --tiny")
     assert {"title", "about", "commit", "machine", "started", "wall_s"} <= set(doc) and doc["plot"] == out.with_suffix(".png").as_posix()

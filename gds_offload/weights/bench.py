@@ -242,17 +242,20 @@ def run_bench(
     memory_limit: int | None = None,
     checkpoint: Path | None = None,
     raw_depths: tuple[int, ...] = (1, 4, 8),
+    interference_s: float = 2.0,
     progress: Any = None,
 ) -> dict[str, Any]:
     """Prepare the checkpoint and store, measure the drive, run every mode ``rounds`` times (round
     ``k`` starts ``k`` modes later, so a slow spell of a shared machine does not always hit the
     same mode), measure the drive again, compare outputs with ``resident``'s.
 
-    ``memory_limit`` caps the modes in :data:`CAPPED`. ``progress(text)`` is called before each step.
-    Returns a JSON-ready dict: ``model``, ``spec``, ``raw_read`` (every pass), ``summary``
+    ``memory_limit`` caps the modes in :data:`CAPPED`; ``interference_s`` is how long each timing of
+    :func:`~gds_offload.weights.drive.read_interference` computes. ``progress(text)`` is called before each step.
+    Returns a JSON-ready dict: ``model``, ``spec``, ``raw_read`` (every pass), ``interference``
+    (:func:`~gds_offload.weights.drive.read_interference` at the best depth), ``summary``
     (per mode and batch, medians over rounds) and ``results`` (every row).
     """
-    from gds_offload.weights.drive import raw_read_bandwidth
+    from gds_offload.weights.drive import raw_read_bandwidth, read_interference
     from gds_offload.weights.manifest import read_manifest
 
     say = progress or (lambda text: None)
@@ -273,6 +276,10 @@ def run_bench(
     best = max(raw, key=lambda r: r["bytes_per_s"])["depth"]
     say("raw O_DIRECT reads again")
     raw += [dict(r.as_dict(), when="after") for r in raw_read_bandwidth(data, depths=(best,))]
+    say("compute alone and beside O_DIRECT reads")
+    # Shaped like the model's MLP at the largest batch: what the streamed modes compute while reading.
+    interference = read_interference(data, rows=max(base.batch_sizes), hidden=model.hidden, intermediate=model.intermediate, depth=best,
+                                     seconds=interference_s)
     ref = {(r.round, r.batch): r for r in rows if r.mode == "resident" and r.status == "ok"}
     for r in rows:
         want = ref.get((r.round, r.batch)) or next((x for x in ref.values() if x.batch == r.batch), None)
@@ -285,6 +292,7 @@ def run_bench(
         "spec": {k: v for k, v in asdict(base).items() if k not in ("mode", "checkpoint", "store")}
         | {"memory_limit_bytes": memory_limit, "memory_limit_applies_to": [x for x in modes if x in CAPPED] if memory_limit else [], "rounds": rounds},
         "raw_read": raw,
+        "interference": interference.as_dict(),
         "summary": summarize(rows),
         "results": [asdict(r) for r in rows],
     }

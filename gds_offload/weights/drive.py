@@ -10,11 +10,16 @@
 * :func:`raw_read_bandwidth`: the drive's sequential ``O_DIRECT`` read rate with several
   requests in flight (one thread per request, each ``preadv`` into its own aligned buffer,
   no copy, no checksum): the ceiling any streamer can reach on this drive.
+* :func:`read_interference`: how much such reads slow compute running beside them (a matmul
+  timed alone and with reads in flight, alternately). Where the reads cost CPU (a VM's
+  virtualised drive, a kernel's I/O path), a streamer cannot hide them completely, however
+  well it overlaps; the weights benchmark turns this into a bound on its own targets.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +29,7 @@ from typing import Any
 
 from gds_offload.bench.io_bench import page_cache_bytes
 
-__all__ = ["RawRead", "evict", "cached_bytes", "raw_read_bandwidth"]
+__all__ = ["RawRead", "ReadInterference", "evict", "cached_bytes", "raw_read_bandwidth", "read_interference"]
 
 
 def evict(paths: list[Path]) -> None:
@@ -95,18 +100,92 @@ def raw_read_bandwidth(path: Path, *, depths: tuple[int, ...] = (1, 4, 8), chunk
         try:
             size = os.fstat(fd).st_size // 4096 * 4096
             size = min(size, max_bytes) if max_bytes else size
-            local = threading.local()
-
-            def read(off: int, fd: int = fd, size: int = size, local: threading.local = local) -> int:
-                if not hasattr(local, "buf"):
-                    local.buf = memoryview(mmap.mmap(-1, chunk_bytes))
-                n = min(chunk_bytes, size - off)
-                return os.preadv(fd, [local.buf[:n]], off)
-
             start = time.perf_counter()
-            with ThreadPoolExecutor(depth, thread_name_prefix="gds_offload-raw") as pool:
-                moved = sum(pool.map(read, range(0, size, chunk_bytes)))
+            moved = _read_pass(fd, size, depth, chunk_bytes)
             out.append(RawRead(depth, chunk_bytes, moved, time.perf_counter() - start))
         finally:
             os.close(fd)
     return out
+
+
+def _read_pass(fd: int, size: int, depth: int, chunk_bytes: int, stop: threading.Event | None = None) -> int:
+    """Read ``fd``'s first ``size`` bytes in ``chunk_bytes`` requests, ``depth`` in flight; bytes read.
+    With ``stop``, requests after it is set read nothing."""
+    local = threading.local()
+
+    def read(off: int) -> int:
+        if stop is not None and stop.is_set():
+            return 0
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(mmap.mmap(-1, chunk_bytes))
+        return os.preadv(fd, [local.buf[: min(chunk_bytes, size - off)]], off)
+
+    with ThreadPoolExecutor(depth, thread_name_prefix="gds_offload-raw") as pool:
+        return sum(pool.map(read, range(0, size, chunk_bytes)))
+
+
+def _read_until(stop: threading.Event, moved: list[int], fd: int, size: int, depth: int, chunk_bytes: int) -> None:
+    """Pass over ``fd`` again and again until ``stop``; ``moved[0]`` counts the bytes read."""
+    while not stop.is_set():
+        moved[0] += _read_pass(fd, size, depth, chunk_bytes, stop)
+
+
+@dataclass(frozen=True)
+class ReadInterference:
+    """A compute workload timed alone and with ``O_DIRECT`` reads in flight (medians over rounds)."""
+
+    alone_s: float
+    with_reads_s: float
+    read_bytes_per_s: float
+    depth: int
+    torch_threads: int
+
+    @property
+    def slowdown(self) -> float:
+        """``with_reads_s / alone_s``: how much slower compute runs while the drive reads at full rate."""
+        return self.with_reads_s / self.alone_s if self.alone_s else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"slowdown": self.slowdown}
+
+
+def read_interference(path: Path, *, rows: int, hidden: int, intermediate: int, depth: int = 4, seconds: float = 2.0,
+                      rounds: int = 2, chunk_bytes: int = 8 << 20) -> ReadInterference:  # fmt: skip
+    """Time ``rows x hidden @ hidden x intermediate`` float32 matmuls (repeated for about
+    ``seconds``) alone and while ``depth`` threads read ``path`` with ``O_DIRECT`` over and
+    over, alternating, ``rounds`` times each; medians. Compute uses torch's current thread count.
+
+    Raises:
+        OSError: the file cannot be opened with ``O_DIRECT``.
+    """
+    import torch
+
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, intermediate)
+    a @ b  # warm the kernels and the allocator
+    start = time.perf_counter()
+    a @ b
+    reps = max(1, round(seconds / max(time.perf_counter() - start, 1e-6)))
+
+    def compute() -> float:
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        return time.perf_counter() - t
+
+    alone, busy, rates = [], [], []
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size // 4096 * 4096
+        for _ in range(rounds):
+            alone.append(compute())
+            stop, moved = threading.Event(), [0]
+            reader = threading.Thread(target=_read_until, args=(stop, moved, fd, size, depth, chunk_bytes), name="gds_offload-interference")
+            t = time.perf_counter()
+            reader.start()
+            busy.append(compute())
+            stop.set()
+            reader.join()
+            rates.append(moved[0] / (time.perf_counter() - t))
+    finally:
+        os.close(fd)
+    return ReadInterference(statistics.median(alone), statistics.median(busy), statistics.median(rates), depth, torch.get_num_threads())
