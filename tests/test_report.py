@@ -63,3 +63,29 @@ def test_targets_render_met_missed_and_out_of_reach(tmp_path: Path) -> None:
     assert "| bound | >= 2 | 1.20 | 1.10 | - | out of reach here: a ceiling is below the need |" in page
     assert "| read-bound | >= 2 | 1.80 | 2.10 | 1.90 | out of reach here: a ceiling is below the need |" in page
     assert "| absent | >= 1 | - | - | - | not run |" in page
+
+
+def test_readme_headline_is_spliced_between_its_markers(tmp_path: Path) -> None:
+    """`gds-offload report` rewrites only the README's headline block, from the same result
+    files as the page, and refuses a README without the markers."""
+    from gds_offload.bench.headline import END, START
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "w.json").write_text(json.dumps({
+        "kind": "table", "title": "Weights (cpu)", "command": "gds-offload bench-weights", "table": {"columns": ["a"], "rows": [["1"]]},
+        "targets": [{"target": "a", "need": 2.0, "value": 2.5, "met": True}, {"target": "b", "need": 2.0, "value": 1.0, "ceiling": 1.5, "met": False}],
+    }))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\nstale\n{END}\noutro\n")
+    args = ["report", "--results", str(results), "--out", str(tmp_path / "docs" / "perf.md"), "--readme", str(readme)]
+    run = [sys.executable, "-m", "gds_offload.cli"]
+    assert subprocess.run([*run, *args, "--check"], capture_output=True, timeout=60).returncode == 1
+    assert subprocess.run([*run, *args], capture_output=True, timeout=60).returncode == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
+    assert "| [Weights (cpu)](docs/perf.md#weights-cpu) | 1 of 2 targets met, 1 out of reach on this machine |" in text
+    assert subprocess.run([*run, *args, "--check"], capture_output=True, timeout=60).returncode == 0
+    readme.write_text("no markers\n")
+    done = subprocess.run([*run, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "headline results" in done.stderr

@@ -1,7 +1,8 @@
-"""``gds-offload report``: regenerate ``docs/performance.md`` from ``docs/results/*.json``."""
+"""``gds-offload report``: regenerate ``docs/performance.md``, and the README's headline results, from ``docs/results/*.json``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,10 +12,12 @@ HELP = "regenerate the performance page (docs/performance.md) from the result fi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default="docs/results", help="directory of result files (default: docs/results)")
     p.add_argument("--out", default="docs/performance.md", help="the page to write (default: docs/performance.md)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is not what the result files give")
+    p.add_argument("--readme", default="README.md", help="the README whose headline results to rewrite between their markers (default: README.md; '' for none)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page or the README's headline is not what the result files give")
 
 
 def run(args: argparse.Namespace) -> int:
+    from gds_offload.bench.headline import render_headline, splice
     from gds_offload.bench.report import load_sections, render_page
 
     results, out = Path(args.results), Path(args.out)
@@ -27,13 +30,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"gds-offload report: {exc}", file=sys.stderr)
         return 2
     page = render_page(sections, out.parent, command="gds-offload report")
+    outputs = {out: page}
+    if args.readme:
+        readme = Path(args.readme)
+        try:
+            link = os.path.relpath(out, readme.parent)
+            outputs[readme] = splice(readme.read_text(), render_headline(sections, link))
+        except (OSError, ValueError) as exc:
+            print(f"gds-offload report: --readme {readme}: {exc}", file=sys.stderr)
+            return 2
     if args.check:
-        current = out.read_text() if out.exists() else ""
-        if current != page:
-            print(f"gds-offload report: {out} is out of date; run gds-offload report", file=sys.stderr)
+        stale = [str(p) for p, text in outputs.items() if (p.read_text() if p.exists() else "") != text]
+        if stale:
+            print(f"gds-offload report: {', '.join(stale)} out of date; run gds-offload report", file=sys.stderr)
             return 1
         return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    print(f"{out}: {len(sections)} result file(s)")
+    for p, text in outputs.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    print(f"{out}: {len(sections)} result file(s)" + (f"; headline results in {args.readme}" if args.readme else ""))
     return 0
