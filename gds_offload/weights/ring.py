@@ -241,7 +241,7 @@ def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: i
         raise ConfigError("engine='host' keeps no files to read; for layers in host memory use tier='host'")
     choice = choose_engine(mode, path, device=device.type)  # type: ignore[arg-type]
     if choice.engine in ("gds", "compat"):
-        return _StoreKvikIO(choice.engine, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
+        return _StoreKvikIO(choice.engine, strict=choice.strict, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
     return PosixEngine(num_threads=num_threads or (4 if device.type == "cpu" else 8), read_pool_bytes=0)
 
 
