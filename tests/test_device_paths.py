@@ -108,13 +108,14 @@ def test_staging_buffers_are_page_aligned_and_sized() -> None:
         Staging(CUDA, 1000, FakeBackend())
 
 
+@pytest.mark.parametrize("count", [2, 1])
 @pytest.mark.parametrize("nbytes", [1, CHUNK - 1, CHUNK, 2 * CHUNK + 17, 5 * CHUNK])
-def test_copy_out_chunks_hands_every_byte_and_overlaps_the_next_copy(nbytes: int) -> None:
-    """Every chunk reaches the sink once its copy is waited for; the next chunk's copy is
-    queued before the sink writes the current one; a buffer is refilled only after the sink
-    wrote what it held; the side stream is drained before returning."""
+def test_copy_out_chunks_hands_every_byte_and_overlaps_the_next_copy(nbytes: int, count: int) -> None:
+    """Every chunk reaches the sink once its copy is waited for; with two buffers the next
+    chunk's copy is queued before the sink writes the current one; a buffer is refilled only
+    after the sink wrote what it held; the side stream is drained before returning."""
     backend = FakeBackend()
-    stage = Staging(CUDA, CHUNK, backend)
+    stage = Staging(CUDA, CHUNK, backend, count=count)
     src = _random(nbytes, 1)
     got = bytearray()
     log = backend.log
@@ -132,22 +133,23 @@ def test_copy_out_chunks_hands_every_byte_and_overlaps_the_next_copy(nbytes: int
     events = [e.name for e in stage.events]
     for k in range(len(sinks)):
         at = _index(log, ("sink", k * CHUNK))
-        assert ("sync_event", events[k % 2]) in log[:at], f"chunk {k} handed over before its copy was waited for"
-        if k + 1 < len(sinks):
+        assert ("sync_event", events[k % count]) in log[:at], f"chunk {k} handed over before its copy was waited for"
+        if k + 1 < len(sinks) and count == 2:
             assert records[k + 1] < at, f"the copy of chunk {k + 1} was not queued before chunk {k} was written"
-        if k >= 2:
-            # chunk k reuses the buffer of chunk k - 2: its copy comes after that chunk was written
-            assert records[k] > _index(log, ("sink", (k - 2) * CHUNK)), f"buffer of chunk {k - 2} refilled before it was written"
+        if k >= count:
+            # chunk k reuses the buffer of chunk k - count: its copy comes after that chunk was written
+            assert records[k] > _index(log, ("sink", (k - count) * CHUNK)), f"buffer of chunk {k - count} refilled before it was written"
     assert log[-1] == ("sync_stream", stage.stream.name)
 
 
+@pytest.mark.parametrize("count", [2, 1])
 @pytest.mark.parametrize("nbytes", [0, 1, CHUNK, 3 * CHUNK + 5])
-def test_copy_in_chunks_reads_before_waiting_and_waits_once(nbytes: int) -> None:
+def test_copy_in_chunks_reads_before_waiting_and_waits_once(nbytes: int, count: int) -> None:
     """The drive read of the first chunk comes before the side stream waits for ``ready``;
     the wait is queued once, before the first copy into ``dst``; a buffer is refilled only
     after the copy out of it was waited for; every byte arrives."""
     backend = FakeBackend()
-    stage = Staging(CUDA, CHUNK, backend)
+    stage = Staging(CUDA, CHUNK, backend, count=count)
     data = _random(nbytes, 2)
     dst = torch.full((nbytes,), 0xA5, dtype=torch.uint8)
     ready = FakeEvent(backend.log, "ready")
@@ -165,8 +167,9 @@ def test_copy_in_chunks_reads_before_waiting_and_waits_once(nbytes: int) -> None
         return
     assert len(waits) == 1 and _index(log, ("source", 0)) < waits[0] < [i for i, e in enumerate(log) if e[0] == "record"][0]
     events = [e.name for e in stage.events]
-    for k in range(2, -(-nbytes // CHUNK)):
-        assert ("sync_event", events[k % 2]) in log[: _index(log, ("source", k * CHUNK))], f"buffer refilled for chunk {k} before its copy was done"
+    for k in range(count, -(-nbytes // CHUNK)):
+        before = log[_index(log, ("source", (k - count) * CHUNK)) : _index(log, ("source", k * CHUNK))]
+        assert ("sync_event", events[k % count]) in before, f"buffer refilled for chunk {k} before its copy was done"
     assert log[-1] == ("sync_stream", stage.stream.name)
 
 
@@ -206,6 +209,7 @@ def test_staging_pool_and_side_streams_are_per_thread_and_device() -> None:
     t.join()
     assert other[0] is not mine and other[1] is not streams.get(CUDA)
     assert pool.pinned_bytes == 3 * 2 * (CHUNK + 4096)
+    assert StagingPool(CHUNK, backend, count=1).get(CUDA).buffers.__len__() == 1
     pool.close()
     assert pool.pinned_bytes == 0
 
@@ -251,7 +255,7 @@ def test_posix_device_route_stages_through_pinned_buffers_on_side_streams(spill_
     monkeypatch.setattr(posix, "on_device", lambda t: True)
     backend = FakeBackend()
     engine = PosixEngine(num_threads=3, chunk_bytes=64 << 10)
-    engine._staging = StagingPool(64 << 10, backend)
+    engine._staging = StagingPool(64 << 10, backend, count=1)
     try:
         with _store(spill_dir) as store:
             assert store.files[0].direct, "the spill file should be O_DIRECT here (real disk)"

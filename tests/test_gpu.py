@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -622,6 +623,29 @@ OVERLAP_MS = 500
 OVERLAP_BYTES = (8 << 20) + 4_321
 
 
+def _warm_engine_threads(engine: Engine) -> None:
+    """Give every engine thread its side stream and staging buffers before a window opens.
+
+    Allocating page-locked host memory is an implicit synchronization point of the device
+    (CUDA C++ Programming Guide, "Implicit Synchronization"): a thread's first device
+    transfer, which pins its staging buffers, waits for the kernels queued before it. That
+    happens once per thread in a run; a window opened before would measure it instead of
+    the steady state. A barrier makes each of the pool's threads take one warm-up task."""
+    pool = engine._pool if hasattr(engine, "_pool") else engine._threads  # type: ignore[attr-defined]  # HostEngine: one thread
+    workers = pool._max_workers
+    barrier = threading.Barrier(workers)
+
+    def warm() -> None:
+        barrier.wait(timeout=60)
+        for registry in (getattr(engine, "_staging", None), getattr(engine, "_streams", None)):
+            if registry is not None:
+                registry.get(CUDA)
+
+    for future in [pool.submit(warm) for _ in range(workers)]:
+        future.result(timeout=120)
+    torch.cuda.synchronize()
+
+
 def _busy_default_stream(ms: float) -> torch.cuda.Event:
     """Queue a ``ms`` GPU sleep on the legacy default stream (where training runs); return an
     event recorded after it: not done while the sleep runs."""
@@ -642,9 +666,12 @@ def test_engine_write_overlaps_a_kernel_on_the_default_stream(mode: str, spill_p
     gen = torch.Generator(device=CUDA).manual_seed(5)
     with _engine(mode, spill_path) as (engine, store):
         src = torch.randint(0, 256, (OVERLAP_BYTES,), dtype=torch.uint8, device=CUDA, generator=gen)
-        warm, slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA)), store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
-        engine.write(src, warm, ready=_ready()).wait(timeout_s=120)  # streams and staging buffers exist now
-        torch.cuda.synchronize()
+        warm = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
+        engine.write(src, warm, ready=_ready()).wait(timeout_s=120)  # handles open, host's pinned slot buffer made
+        engine.release(warm)  # the host engine reuses its pinned buffer for the next slot of this size
+        store.free(warm)
+        _warm_engine_threads(engine)
+        slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
         ready = _ready()  # src is produced; nothing queued after this touches it
         busy = _busy_default_stream(OVERLAP_MS)
         write = engine.write(src, slot, ready=ready)
@@ -653,9 +680,8 @@ def test_engine_write_overlaps_a_kernel_on_the_default_stream(mode: str, spill_p
         torch.cuda.synchronize()
         back = torch.zeros(OVERLAP_BYTES, dtype=torch.uint8, device=CUDA)
         engine.read(back, slot, ready=_ready()).wait(timeout_s=120)
-        for s in (warm, slot):
-            engine.release(s)
-            store.free(s)
+        engine.release(slot)
+        store.free(slot)
     assert overlapped, f"{mode} ({engine.description}): the write finished only after the default stream's kernel"
     assert torch.equal(back, src), f"{mode}: bytes read back differ"
 
@@ -673,9 +699,9 @@ def test_engine_read_overlaps_a_kernel_on_the_default_stream(mode: str, spill_pa
         slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
         engine.write(src, slot, ready=_ready()).wait(timeout_s=120)
         warm = engine.empty(OVERLAP_BYTES, slot, CUDA)
-        engine.read(warm, slot, ready=_ready()).wait(timeout_s=120)  # streams and staging buffers exist now
-        torch.cuda.synchronize()
-        dst = engine.empty(OVERLAP_BYTES, slot, CUDA)
+        engine.read(warm, slot, ready=_ready()).wait(timeout_s=120)
+        _warm_engine_threads(engine)
+        dst = engine.empty(OVERLAP_BYTES, slot, CUDA)  # allocated before the window: cudaMalloc synchronizes too
         ready = _ready()
         busy = _busy_default_stream(OVERLAP_MS)
         read = engine.read(dst, slot, ready=ready)

@@ -31,7 +31,9 @@ are handed over as whole pages (:mod:`gds_offload.io.pages`): aligned buffers, o
 sizes, so KvikIO's automatic direct I/O uses O_DIRECT. Device tensors are *not* handed to
 KvikIO (its bounce-buffer copies run on blocking streams): the engine copies them to and
 from pinned host buffers on its own side streams (:mod:`gds_offload.io.staging`) and gives
-KvikIO the host pages.
+KvikIO the host pages, one task-sized chunk at a time per transfer (the copy of the next
+chunk overlaps the drive I/O of this one; transfers in flight on the issue threads run in
+parallel). Pinned memory: two task-sized buffers per issue thread that moved device memory.
 
 KvikIO's thread pool and task size are process-wide settings; this engine sets
 them once when created (see :data:`DEFAULT_THREADS`, :data:`DEFAULT_TASK_BYTES`).

@@ -72,8 +72,9 @@ class PosixEngine(PageSpanEngine):
         self.num_threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gds_offload-posix")
         self._local = threading.local()
-        # Device memory: pinned staging buffers of one chunk, per pool thread and device.
-        self._staging = StagingPool(chunk_bytes)
+        # Device memory: one pinned staging buffer of one chunk per pool thread and device (a
+        # pool task moves one chunk; the pool's threads keep several in flight).
+        self._staging = StagingPool(chunk_bytes, count=1)
         self.description = f"posix pwrite/pread, {num_threads} threads, {chunk_bytes >> 20} MiB chunks"
 
     def close(self) -> None:

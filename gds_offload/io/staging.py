@@ -21,7 +21,7 @@ Streams made by ``torch.cuda.Stream()`` come from torch's pool, created
 ``cudaStreamNonBlocking`` (``c10/cuda/CUDAStream.cpp``, ``kDefaultFlags``): work on them
 is ordered only by the events it is made to wait on. So the engines copy on such streams:
 
-- :class:`Staging` (``compat``, ``posix``): device memory and two page-aligned pinned host
+- :class:`Staging` (``compat``, ``posix``): device memory and page-aligned pinned host
   buffers, copied on a side stream the staging owns; KvikIO or ``os.pwrite``/``preadv``
   then move *host* pages, which needs no CUDA stream at all.
 - :class:`SideStreams` (``gds``): a side stream per thread and device, on which KvikIO's
@@ -43,6 +43,9 @@ Contract of everything here:
   every stream", and no copy of the staging outlives the call.
 - **Buffers**: the caller keeps ``src``/``dst`` alive during the call; the staging owns its
   pinned buffers for its life and reuses them only after the copy that used them is done.
+  No ``record_stream`` is needed for ``src``/``dst``: the side stream uses them only during
+  the call, and that use has finished on the device when the call returns, so the caching
+  allocator may hand their blocks to any stream afterwards.
 """
 from __future__ import annotations
 
@@ -94,27 +97,28 @@ class CudaBackend:
 
 
 class Staging:
-    """A side stream on ``device``, two page-aligned pinned host buffers of ``chunk_bytes``,
-    and an event per buffer. For one thread (see the module doc).
+    """A side stream on ``device``, ``count`` page-aligned pinned host buffers of
+    ``chunk_bytes``, and an event per buffer. For one thread (see the module doc).
 
     Args:
         device: the CUDA device whose memory is copied.
         chunk_bytes: size of each host buffer, a multiple of 4 KiB (the drive moves whole
             pages of it with ``O_DIRECT``).
         backend: the CUDA calls (:class:`CudaBackend`).
+        count: host buffers; two let a chunk's copy overlap the previous chunk's drive I/O.
     """
 
-    def __init__(self, device: torch.device, chunk_bytes: int, backend: CudaBackend | None = None) -> None:
-        if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {ALIGN}")
+    def __init__(self, device: torch.device, chunk_bytes: int, backend: CudaBackend | None = None, *, count: int = 2) -> None:
+        if chunk_bytes < ALIGN or chunk_bytes % ALIGN or count < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {ALIGN}, count={count} at least 1")
         self.backend = backend or CudaBackend()
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.stream = self.backend.stream(device)
-        self.events = [self.backend.event(), self.backend.event()]
-        self.buffers = [self._aligned(chunk_bytes), self._aligned(chunk_bytes)]
+        self.events = [self.backend.event() for _ in range(count)]
+        self.buffers = [self._aligned(chunk_bytes) for _ in range(count)]
         #: Whether buffer i has a copy queued that was not waited for yet.
-        self._queued = [False, False]
+        self._queued = [False] * count
 
     def _aligned(self, nbytes: int) -> torch.Tensor:
         # torch's pinned allocator promises no page alignment; O_DIRECT needs it.
@@ -149,7 +153,7 @@ class Staging:
     def drain(self) -> None:
         """Block until every copy queued on the side stream finished."""
         self.stream.synchronize()
-        self._queued = [False, False]
+        self._queued = [False] * len(self.buffers)
 
 
 def _chunks(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -161,22 +165,22 @@ def copy_out_chunks(stage: Staging, src: torch.Tensor, sink: Callable[[torch.Ten
 
     ``host`` is a pinned, page-aligned buffer of ``stage.chunk_bytes`` whose first ``n``
     bytes are ``src[lo : lo + n]`` (copied and finished); ``sink`` writes them to the drive
-    before it returns (the buffer is refilled after). The copy of chunk k + 1 runs on the
-    side stream while ``sink`` writes chunk k. The caller has synchronized on the write's
+    before it returns (the buffer is refilled after). With two buffers the copy of chunk
+    k + 1 runs on the side stream while ``sink`` writes chunk k. The caller has synchronized on the write's
     ``ready`` event before calling.
     """
     parts = _chunks(src.numel(), stage.chunk_bytes)
-    if not parts:
-        return
+    m = len(stage.buffers)
+    queued = 0
     try:
-        stage.copy_out(0, src[: parts[0][1]])
         for k, (lo, n) in enumerate(parts):
-            if k + 1 < len(parts):
-                nlo, nn = parts[k + 1]
-                # The other buffer held chunk k - 1, which sink() has already written.
-                stage.copy_out((k + 1) % 2, src[nlo : nlo + nn])
-            stage.wait(k % 2)
-            sink(stage.buffers[k % 2], lo, n)
+            # Chunk j goes into buffer j % m, whose previous chunk j - m sink() has written once j - m < k.
+            while queued < len(parts) and queued <= k + m - 1:
+                qlo, qn = parts[queued]
+                stage.copy_out(queued % m, src[qlo : qlo + qn])
+                queued += 1
+            stage.wait(k % m)
+            sink(stage.buffers[k % m], lo, n)
     finally:
         stage.drain()  # after a failure too: no copy may still read src once this returns
 
@@ -188,14 +192,14 @@ def copy_in_chunks(stage: Staging, dst: torch.Tensor, source: Callable[[torch.Te
     ``stage.chunk_bytes``; it may fill whole pages past ``n``) with ``dst``'s bytes
     ``[lo, lo + n)`` from the drive. The copy into ``dst`` waits on the side stream for
     ``ready`` (the caching allocator may have handed out memory a queued kernel still
-    reads); the drive read of chunk k + 1 runs while chunk k is copied. Returns when every
-    byte is in ``dst``.
+    reads); with two buffers the drive read of chunk k + 1 runs while chunk k is copied.
+    Returns when every byte is in ``dst``.
     """
     parts = _chunks(dst.numel(), stage.chunk_bytes)
     try:
         for k, (lo, n) in enumerate(parts):
-            i = k % 2
-            stage.wait(i)  # the copy of chunk k - 2 out of this buffer is done: it can be refilled
+            i = k % len(stage.buffers)
+            stage.wait(i)  # the copy out of this buffer (an earlier chunk's) is done: it can be refilled
             source(stage.buffers[i], lo, n)
             stage.copy_in(i, dst[lo : lo + n], ready=ready if k == 0 else None)  # one wait orders them all
     finally:
@@ -237,17 +241,20 @@ class StagingPool(_PerThreadDevice[Staging]):
         chunk_bytes: each staging buffer's size (a multiple of 4 KiB).
         backend: the CUDA calls (:class:`CudaBackend`).
 
-    Pinned host memory: ``2 * chunk_bytes`` (plus a page each) per engine thread that moved
-    device memory; :attr:`pinned_bytes` says how much. :meth:`close` lets it go.
+    Pinned host memory: ``count * chunk_bytes`` (plus a page each) per engine thread that
+    moved device memory; :attr:`pinned_bytes` says how much. :meth:`close` hands it back to
+    torch's pinned-memory cache. Pinning memory is an implicit synchronization point of the
+    device (CUDA C++ Programming Guide, "Implicit Synchronization"), so a thread's first
+    device transfer waits for the work queued before it; later ones reuse the buffers.
     """
 
-    def __init__(self, chunk_bytes: int, backend: CudaBackend | None = None) -> None:
-        super().__init__(lambda device: Staging(device, chunk_bytes, backend))
+    def __init__(self, chunk_bytes: int, backend: CudaBackend | None = None, *, count: int = 2) -> None:
+        super().__init__(lambda device: Staging(device, chunk_bytes, backend, count=count))
         self.chunk_bytes = chunk_bytes
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(2 * (s.chunk_bytes + ALIGN) for s in self.values())
+        return sum(len(s.buffers) * (s.chunk_bytes + ALIGN) for s in self.values())
 
 
 class SideStreams(_PerThreadDevice[Any]):
