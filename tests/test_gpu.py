@@ -6,9 +6,9 @@ does). Without a GPU every test here skips, naming the missing hardware; on a GP
 GPUDirect Storage the ``gds`` tests skip with gds-check's reason. ``tests/test_gpu_static.py``
 (CPU) checks that these tests are collected, marked and skipped that way.
 
-* Engines move *device* memory: KvikIO takes CUDA tensors through ``__cuda_array_interface__``
-  (compat: pinned bounce buffers; gds: DMA), ``host`` copies on a side stream into pinned
-  buffers, ``posix`` goes through host bounce buffers.
+* Engines move *device* memory: ``gds`` through cuFile's stream API on side streams (DMA),
+  ``compat`` and ``posix`` through pinned staging buffers copied on side streams
+  (``gds_offload/io/staging.py``), ``host`` copies on a side stream into pinned buffers.
 * Stream ordering: engines run on their own threads and streams, so before touching a device
   buffer they wait for a ``ready`` event recorded on the stream that produced the bytes
   (writes) or that may still read the recycled block (reads). The race tests widen those
