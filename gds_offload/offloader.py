@@ -128,7 +128,7 @@ class Offloader:
         choice = choose_engine(config.mode, config.paths[0], device)  # type: ignore[arg-type]
         self.config = config
         self.layer_names = [n for n, _ in layers]
-        engine = make_engine(choice.engine, max_bandwidth=config.max_bandwidth, num_threads=config.num_threads)
+        engine = make_engine(choice.engine, max_bandwidth=config.max_bandwidth, num_threads=config.num_threads, strict=choice.strict)
         try:
             store = SpillStore(
                 list(config.paths) if engine.needs_files else [],

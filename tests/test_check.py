@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import gds_offload.bench
 from gds_offload.check import _common, probes
 from gds_offload.check.cli import main as check_main
 from gds_offload.check.probes import (
@@ -636,7 +637,11 @@ def _fake_io_bench(calls):
 
 def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setitem(sys.modules, "gds_offload.bench.io_bench", _fake_io_bench(calls))
+    fake = _fake_io_bench(calls)
+    monkeypatch.setitem(sys.modules, "gds_offload.bench.io_bench", fake)
+    # `from gds_offload.bench import io_bench` reads the package attribute first (set once any
+    # test imported the real module), then sys.modules.
+    monkeypatch.setattr(gds_offload.bench, "io_bench", fake, raising=False)
     monkeypatch.delenv("KVIKIO_COMPAT_MODE", raising=False)
     code = check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
@@ -655,6 +660,7 @@ def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
 
 def test_cli_bandwidth_skips_without_io_bench(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gds_offload.bench.io_bench", None)  # import fails
+    monkeypatch.delattr(gds_offload.bench, "io_bench", raising=False)
     check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
     check = [c for c in doc["checks"] if c["name"] == "bandwidth"][0]

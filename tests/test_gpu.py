@@ -6,9 +6,9 @@ does). Without a GPU every test here skips, naming the missing hardware; on a GP
 GPUDirect Storage the ``gds`` tests skip with gds-check's reason. ``tests/test_gpu_static.py``
 (CPU) checks that these tests are collected, marked and skipped that way.
 
-* Engines move *device* memory: KvikIO takes CUDA tensors through ``__cuda_array_interface__``
-  (compat: pinned bounce buffers; gds: DMA), ``host`` copies on a side stream into pinned
-  buffers, ``posix`` goes through host bounce buffers.
+* Engines move *device* memory: ``gds`` through cuFile's stream API on side streams (DMA),
+  ``compat`` and ``posix`` through pinned staging buffers copied on side streams
+  (``gds_offload/io/staging.py``), ``host`` copies on a side stream into pinned buffers.
 * Stream ordering: engines run on their own threads and streams, so before touching a device
   buffer they wait for a ``ready`` event recorded on the stream that produced the bytes
   (writes) or that may still read the recycled block (reads). The race tests widen those
@@ -24,8 +24,15 @@ Spill files go to ``$GDS_TEST_DIR`` when set (an NVMe directory; needed by the `
 else to a private directory on a real disk (see ``conftest.real_disk_base``).
 
 Determinism: ``CUBLAS_WORKSPACE_CONFIG`` is set at import, while pytest collects and before any
-test creates a cuBLAS handle; tests that compare training runs enable
-``torch.use_deterministic_algorithms`` for their duration (fixture ``deterministic``).
+test creates a cuBLAS handle; tests that compare training runs use deterministic kernels for
+their duration (fixture ``deterministic``: ``use_deterministic_algorithms(True)`` without
+``warn_only``, SDPA's math backend, deterministic cuDNN; excluded from the comparison: SDPA's
+flash, memory-efficient and cuDNN kernels, and any op without a deterministic CUDA kernel,
+which raises).
+
+* Overlap: engines move device memory on their own non-blocking side streams, so a transfer
+  finishes while a long kernel still runs on the legacy default stream (where training runs);
+  ``io_bench`` measures device buffers when a GPU is present.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +55,7 @@ from torch import nn
 
 import gds_offload
 from gds_offload import OffloadStats
+from gds_offload.bench.determinism import deterministic_kernels, set_cublas_workspace
 from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.io import make_engine
 from gds_offload.io.base import Engine
@@ -55,7 +64,7 @@ from gds_offload.store import SpillStore
 
 # cuBLAS reads this when it creates a handle's workspace; deterministic mode refuses cuBLAS
 # calls without it. Set here, at collection, before any test touches CUDA.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+set_cublas_workspace()
 
 #: The device under test (a module constant so the logic can be dry-run on CPU with stubs).
 CUDA = torch.device("cuda")
@@ -131,14 +140,12 @@ def spill_path() -> Iterator[Path]:
 
 @pytest.fixture
 def deterministic() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True)`` for one test (SDPA, cuBLAS and friends then
-    pick deterministic kernels, so two runs can be compared bit for bit)."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    """Deterministic kernels for one test, so two runs can be compared bit for bit:
+    ``use_deterministic_algorithms(True)`` (``warn_only=False``), SDPA's math backend, cuDNN
+    deterministic (:func:`gds_offload.bench.determinism.deterministic_kernels`; its
+    ``EXCLUDED`` says which kernels are left out of the comparison)."""
+    with deterministic_kernels():
         yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 @contextlib.contextmanager
@@ -608,3 +615,114 @@ def test_adaptive_policy_times_units_with_cuda_events(spill_path: Path) -> None:
     measured_s = sum(d.forward_s + d.backward_s for d in plan.decisions)
     assert 0 < measured_s <= 1.5 * wall_s + 0.01, (measured_s, wall_s, plan.decisions)
     assert all(layer_stats[n].forward_seconds > 0 for n in names), layer_stats
+
+
+# ------------------------------------------------------------------------- 6. overlap with compute
+#: The GPU sleep a transfer must finish inside. 8 MiB at 100 MB/s (a slow disk) takes 80 ms.
+OVERLAP_MS = 500
+OVERLAP_BYTES = (8 << 20) + 4_321
+
+
+def _warm_engine_threads(engine: Engine) -> None:
+    """Give every engine thread its side stream and staging buffers before a window opens.
+
+    Allocating page-locked host memory is an implicit synchronization point of the device
+    (CUDA C++ Programming Guide, "Implicit Synchronization"): a thread's first device
+    transfer, which pins its staging buffers, waits for the kernels queued before it. That
+    happens once per thread in a run; a window opened before would measure it instead of
+    the steady state. A barrier makes each of the pool's threads take one warm-up task."""
+    pool = engine._pool if hasattr(engine, "_pool") else engine._threads  # type: ignore[attr-defined]  # HostEngine: one thread
+    workers = pool._max_workers
+    barrier = threading.Barrier(workers)
+
+    def warm() -> None:
+        barrier.wait(timeout=60)
+        for registry in (getattr(engine, "_staging", None), getattr(engine, "_streams", None)):
+            if registry is not None:
+                registry.get(CUDA)
+
+    for future in [pool.submit(warm) for _ in range(workers)]:
+        future.result(timeout=120)
+    torch.cuda.synchronize()
+
+
+def _busy_default_stream(ms: float) -> torch.cuda.Event:
+    """Queue a ``ms`` GPU sleep on the legacy default stream (where training runs); return an
+    event recorded after it: not done while the sleep runs."""
+    torch.cuda._sleep(_sleep_cycles(ms))
+    busy = torch.cuda.Event()
+    busy.record(torch.cuda.default_stream())
+    return busy
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_engine_write_overlaps_a_kernel_on_the_default_stream(mode: str, spill_path: Path) -> None:
+    """A write whose ``ready`` event is already complete finishes while a 0.5 s kernel queued after
+    it still runs on the default stream. An engine that copied on the legacy default stream,
+    on a blocking stream (KvikIO compat's bounce copies), or synchronized the null stream
+    (KvikIO ``pwrite`` with compat off) would finish only after the kernel. Bytes exact."""
+    _require(mode)
+    _cycles_per_ms()  # measured (synchronizing) before the window opens
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    with _engine(mode, spill_path) as (engine, store):
+        src = torch.randint(0, 256, (OVERLAP_BYTES,), dtype=torch.uint8, device=CUDA, generator=gen)
+        warm = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
+        engine.write(src, warm, ready=_ready()).wait(timeout_s=120)  # handles open, host's pinned slot buffer made
+        engine.release(warm)  # the host engine reuses its pinned buffer for the next slot of this size
+        store.free(warm)
+        _warm_engine_threads(engine)
+        slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
+        ready = _ready()  # src is produced; nothing queued after this touches it
+        busy = _busy_default_stream(OVERLAP_MS)
+        write = engine.write(src, slot, ready=ready)
+        write.wait(timeout_s=120)
+        overlapped = not busy.query()
+        torch.cuda.synchronize()
+        back = torch.zeros(OVERLAP_BYTES, dtype=torch.uint8, device=CUDA)
+        engine.read(back, slot, ready=_ready()).wait(timeout_s=120)
+        engine.release(slot)
+        store.free(slot)
+    assert overlapped, f"{mode} ({engine.description}): the write finished only after the default stream's kernel"
+    assert torch.equal(back, src), f"{mode}: bytes read back differ"
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_engine_read_overlaps_a_kernel_on_the_default_stream(mode: str, spill_path: Path) -> None:
+    """A read into a buffer nothing queued uses (its ``ready`` is complete) finishes while a 0.5 s
+    kernel queued after it still runs on the default stream; the bytes are then visible to
+    the default stream. Bytes exact."""
+    _require(mode)
+    _cycles_per_ms()
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    with _engine(mode, spill_path) as (engine, store):
+        src = torch.randint(0, 256, (OVERLAP_BYTES,), dtype=torch.uint8, device=CUDA, generator=gen)
+        slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
+        engine.write(src, slot, ready=_ready()).wait(timeout_s=120)
+        warm = engine.empty(OVERLAP_BYTES, slot, CUDA)
+        engine.read(warm, slot, ready=_ready()).wait(timeout_s=120)
+        _warm_engine_threads(engine)
+        dst = engine.empty(OVERLAP_BYTES, slot, CUDA)  # allocated before the window: cudaMalloc synchronizes too
+        ready = _ready()
+        busy = _busy_default_stream(OVERLAP_MS)
+        read = engine.read(dst, slot, ready=ready)
+        read.wait(timeout_s=120)
+        overlapped = not busy.query()
+        same = torch.equal(dst, src)  # queued on the default stream, after the sleep
+        engine.release(slot)
+        store.free(slot)
+    assert overlapped, f"{mode} ({engine.description}): the read finished only after the default stream's kernel"
+    assert same and torch.equal(warm, src), f"{mode}: bytes read back differ"
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_io_bench_measures_device_buffers_on_a_gpu(mode: str, spill_path: Path) -> None:
+    """bench-io and gds-check measure device memory when a GPU is present (``memory="auto"``)
+    and say so; the bytes read back are checked on the device."""
+    _require(mode)
+    from gds_offload.bench.io_bench import measure_engine
+
+    row = measure_engine(mode, spill_path, 64 << 20, 16 << 20)
+    assert row["memory"] == "cuda:0" and row["label"].startswith("cuda:0 memory") and row["verified"], row
+    assert row["write_gbps"] > 0 and row["read_gbps"] > 0, row
+    if mode == "gds":
+        assert row["label"] == "cuda:0 memory, cuFile direct (GPUDirect)", row

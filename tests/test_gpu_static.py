@@ -69,7 +69,8 @@ def test_gpu_tests_are_collected_marked_and_skip_naming_the_hardware(tmp_path: P
     gds = [n for n, marks in items.items() if "gds" in marks]
     assert len(gpu) >= 20 and len(gds) >= 5, f"{len(gpu)} gpu and {len(gds)} gds tests collected; expected more:\n{sorted(items)}"
     for name in ("round_trips_cuda_tensors", "over_256_mib", "write_waits", "read_waits", "orders_io",
-                 "bit_identical", "peak_gpu_memory", "cuda_events"):
+                 "bit_identical", "peak_gpu_memory", "cuda_events", "write_overlaps", "read_overlaps",
+                 "device_buffers_on_a_gpu"):
         assert any(name in n for n in items), f"no test named *{name}* in test_gpu.py"
     if has_gpu:
         return

@@ -7,6 +7,11 @@ then every read), and checks the bytes that come back. :func:`run_bench` runs bo
 engines, tensor sizes and thread counts; ``gds-offload bench-io``
 render its :class:`IOBenchReport`.
 
+Which memory: on a node with a CUDA device every engine moves *device* buffers, as the
+offloader does for a model on the GPU; only then does ``gds`` mean GPUDirect. Without one
+the buffers are host memory, which KvikIO sends through POSIX whatever its compat mode:
+each row says which (``memory``, ``label``: :func:`buffer_label`).
+
 Page cache: a bandwidth read from memory is not a drive's. :func:`measure_engine` asks
 the kernel (``mincore``) how many bytes of the spill file sit in the page cache after the
 write phase and after the read phase, and reports them; before the read phase it flushes
@@ -32,6 +37,7 @@ from gds_offload.store import mount_of
 
 __all__ = [
     "FIO_BLOCK_BYTES",
+    "buffer_label",
     "FIO_IODEPTH",
     "IOBenchReport",
     "machine_info",
@@ -234,6 +240,42 @@ def _make(mode: str, num_threads: int | None, chunk_bytes: int | None) -> Any:
     return make_engine(mode, num_threads=num_threads)  # type: ignore[arg-type]
 
 
+def _memory(memory: str) -> str:
+    """``auto``: the first CUDA device when there is one (what the offloader moves on a GPU), else ``host``."""
+    import torch
+
+    if memory == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "host"
+    if memory == "host":
+        return memory
+    try:
+        device = torch.device(memory)
+    except RuntimeError:
+        device = torch.device("cpu")  # not a device name: refused below
+    if device.type != "cuda":
+        raise ConfigError(f"memory={memory!r}: expected auto, host or a CUDA device (cuda, cuda:1)")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"memory={memory!r} needs a CUDA device, and torch sees none")
+    return f"cuda:{device.index or 0}"
+
+
+def buffer_label(engine: str, memory: str, uses_gds: bool) -> str:
+    """What a figure of ``engine`` measured with ``memory`` buffers is a figure of."""
+    if memory == "host":
+        return {
+            "gds": "host memory through KvikIO (POSIX, not GPUDirect: no CUDA device)",
+            "compat": "host memory through KvikIO (POSIX)",
+            "posix": "host memory, pwrite/pread",
+            "host": "host memory copies, no drive",
+        }.get(engine, "host memory")
+    return {
+        "gds": f"{memory} memory, cuFile direct (GPUDirect)" if uses_gds else f"{memory} memory through cuFile (its POSIX fallback not ruled out)",
+        "compat": f"{memory} memory staged through pinned host buffers, KvikIO POSIX",
+        "posix": f"{memory} memory staged through pinned host buffers, pwrite/pread",
+        "host": f"{memory} memory copied to pinned host buffers, no drive",
+    }.get(engine, f"{memory} memory")
+
+
 def _engine_threads(engine: Any) -> int | None:
     if engine.name == "posix":
         return engine.num_threads
@@ -253,6 +295,7 @@ def measure_engine(
     *,
     num_threads: int | None = None,
     chunk_bytes: int | None = None,
+    memory: str = "auto",
 ) -> dict[str, Any]:
     """Write ``total_bytes`` of ``tensor_bytes`` tensors through engine ``mode``, then read them back.
 
@@ -271,12 +314,17 @@ def measure_engine(
         repeats: write+read rounds.
         num_threads: engine threads (``None``: the engine's default).
         chunk_bytes: posix chunk / KvikIO task size (``None``: the engine's default).
+        memory: the buffers' memory: ``auto`` (the first CUDA device if any, else host),
+            ``host``, or a CUDA device. Device phases start and end with the device idle
+            (synchronized), and each transfer gets a ``ready`` event, as from the offloader.
 
     Returns:
-        ``{"engine", "description", "threads", "tensor_bytes", "total_bytes", "write_gbps",
-        "read_gbps", "write_gbps_all", "read_gbps_all", "page_cache_after_write_bytes",
-        "page_cache_after_read_bytes", "verified"}``. The page-cache figures are the spill
-        files' bytes resident in the page cache after each phase (0 means true direct I/O).
+        ``{"engine", "description", "memory", "label", "threads", "tensor_bytes",
+        "total_bytes", "write_gbps", "read_gbps", "write_gbps_all", "read_gbps_all",
+        "page_cache_after_write_bytes", "page_cache_after_read_bytes", "verified"}``.
+        ``memory`` is ``host`` or ``cuda:N``; ``label`` says what the figure is of
+        (:func:`buffer_label`). The page-cache figures are the spill files' bytes resident
+        in the page cache after each phase (0 means true direct I/O).
 
     Raises:
         ConfigError: bad sizes, or the engine cannot run here.
@@ -291,31 +339,46 @@ def measure_engine(
         raise ConfigError(f"need tensor_bytes > 0 and repeats >= 1, got tensor_bytes={tensor_bytes}, repeats={repeats}")
     count = max(1, total_bytes // tensor_bytes)
     total = count * tensor_bytes
+    where = _memory(memory)
+    device = torch.device("cpu" if where == "host" else where)
+    cuda = device.type == "cuda"
     gen = torch.Generator().manual_seed(0)
     pool = min(count, max(1, SOURCE_POOL_BYTES // tensor_bytes))
-    sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen) for _ in range(pool)]
+    sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen).to(device) for _ in range(pool)]
     engine = _make(mode, num_threads, chunk_bytes)
     writes: list[float] = []
     reads: list[float] = []
     cached_w = cached_r = 0
+
+    def idle_ready() -> Any:
+        # The device idle, and one event (recorded there) every transfer waits on, as the
+        # scheduler hands each transfer an event of the producing or consuming stream.
+        if not cuda:
+            return None
+        torch.cuda.synchronize(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        return ready
+
     try:
         for _ in range(repeats):
             store = SpillStore([Path(path)] if engine.needs_files else [])
             try:
-                cpu = torch.device("cpu")
-                slots = [store.allocate(engine.slot_bytes(tensor_bytes, cpu)) for _ in range(count)]
+                slots = [store.allocate(engine.slot_bytes(tensor_bytes, device)) for _ in range(count)]
                 _drop_cache(store.files)
+                ready = idle_ready()
                 t0 = time.perf_counter()
-                futures = [engine.write(sources[i % pool], slots[i]) for i in range(count)]
+                futures = [engine.write(sources[i % pool], slots[i], ready=ready) for i in range(count)]
                 for f in futures:
                     f.wait()
                 writes.append(total / (time.perf_counter() - t0) / 1e9)
                 cached_w = max(cached_w, _cached(store.files))
                 _drop_cache(store.files)
                 # The buffers the offloader reads into (Engine.empty), faulted in before the clock.
-                dsts = [engine.empty(tensor_bytes, slot, cpu).zero_() for slot in slots]
+                dsts = [engine.empty(tensor_bytes, slot, device).zero_() for slot in slots]
+                ready = idle_ready()
                 t0 = time.perf_counter()
-                futures = [engine.read(dsts[i], slots[i]) for i in range(count)]
+                futures = [engine.read(dsts[i], slots[i], ready=ready) for i in range(count)]
                 for f in futures:
                     f.wait()
                 reads.append(total / (time.perf_counter() - t0) / 1e9)
@@ -328,6 +391,8 @@ def measure_engine(
         return {
             "engine": engine.name,
             "description": engine.description,
+            "memory": where,
+            "label": buffer_label(engine.name, where, engine.uses_gds),
             "threads": _engine_threads(engine),
             "chunk_bytes": getattr(engine, "chunk_bytes", None) or getattr(engine, "task_bytes", None),
             "tensor_bytes": tensor_bytes,
@@ -372,11 +437,13 @@ def run_bench(
     repeats: int = 1,
     raw: bool = True,
     progress: Any = None,
+    memory: str = "auto",
 ) -> IOBenchReport:
     """Measure the raw drive, every engine x thread count x chunk size x tensor size, then the raw drive again.
 
     ``threads``/``chunk_sizes`` (``None``: engine defaults) apply to ``posix`` and ``compat``/``gds``;
-    ``host`` runs once per tensor size. Each row gets ``write_ratio``/``read_ratio`` to the raw
+    ``host`` runs once per tensor size. ``memory``: the buffers' memory (see
+    :func:`measure_engine`; ``auto``: the GPU when there is one). Each row gets ``write_ratio``/``read_ratio`` to the raw
     figure (the mean of the raw runs before and after, both kept in ``raw["samples"]``). ``progress(str)`` is called before each measurement (for a CLI status line).
     Engines that cannot run here (no KvikIO) land in ``skipped`` with the reason.
     """
@@ -385,6 +452,7 @@ def run_bench(
     for e in engines:
         if validate_mode(e) == "auto":
             raise ConfigError("bench-io measures named engines; pass posix, compat, gds or host, not auto")
+    _memory(memory)  # a bad value is the caller's error, not an engine that cannot run here
     path = Path(path)
     report = IOBenchReport(machine=machine_info(path), raw=None)
     if raw:
@@ -398,7 +466,7 @@ def run_bench(
                 if progress:
                     progress(f"{mode} threads={t or 'default'} chunk={c or 'default'} tensors of {size} bytes")
                 try:
-                    row = measure_engine(mode, path, total_bytes, size, repeats, num_threads=t, chunk_bytes=c)
+                    row = measure_engine(mode, path, total_bytes, size, repeats, num_threads=t, chunk_bytes=c, memory=memory)
                 except ConfigError as exc:
                     report.skipped[mode] = str(exc)
                     break

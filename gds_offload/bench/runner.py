@@ -631,11 +631,16 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
     and then with :func:`gds_offload.attach` (``spec``'s engine and policy), and compares
     every loss and every gradient with ``torch.equal``. Comparing runs of separate
     processes can show kernel differences that are not the offloader's (see the module
-    doc); this cannot.
+    doc); this cannot. On CUDA both runs use deterministic kernels
+    (:func:`~gds_offload.bench.determinism.deterministic_kernels`, which says what it
+    excludes); an op without a deterministic CUDA kernel raises.
     """
+    import contextlib
+
     import torch
 
     import gds_offload
+    from gds_offload.bench.determinism import deterministic_kernels
 
     kind, engine = parse_mode(spec.mode)
     if kind not in ("offload", "adaptive"):
@@ -661,7 +666,8 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
                 off.detach()
         return seen
 
-    plain, offloaded = train(False), train(True)
+    with deterministic_kernels() if spec.device.startswith("cuda") else contextlib.nullcontext():
+        plain, offloaded = train(False), train(True)
     return len(plain) == len(offloaded) and all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
 

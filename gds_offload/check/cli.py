@@ -14,9 +14,9 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from gds_offload.check.collect import NodeReport, collect_node
 from gds_offload.check.findings import CheckResult
-from gds_offload.store import spill_dir_origin
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
 from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
+from gds_offload.store import spill_dir_origin
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 
@@ -106,6 +106,9 @@ def _rate(result: Mapping[str, Any], engine: str) -> dict[str, Any]:
         out[key] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     if isinstance(result.get("tool"), str):
         out["tool"] = result["tool"]  # raw_direct_bandwidth says which tool measured (fio, dd)
+    for key in ("memory", "label"):  # measure_engine: host or cuda:N buffers, and what the figure is of
+        if isinstance(result.get(key), str):
+            out[key] = result[key]
     return out
 
 
@@ -179,6 +182,7 @@ def _bandwidth_check(report: NodeReport, results: list[dict[str, dict[str, Any]]
     parts = []
     for probe, rates in zip(report.paths, results):
         shown = [f"{e} W {format_gbps(r['write_gbps'])} / R {format_gbps(r['read_gbps'])}"
+                 + (f" ({r['label']})" if r.get("label") else "")
                  for e, r in rates.items() if "error" not in r]
         if shown:
             prefix = f"{probe.path}: " if len(report.paths) > 1 else ""

@@ -51,6 +51,8 @@ _RATE = {
         "read_gbps": _NUM_OR_NULL,
         "engine": _STR,
         "tool": _STR,
+        "memory": _STR,
+        "label": _STR,
         "error": _STR,
     },
 }
@@ -359,7 +361,7 @@ def render(console: "Console", doc: Mapping[str, Any]) -> None:
             bw.add_column(name, justify="right" if name in ("write", "read") else "left")
         for path, engine, rate in rows:
             bw.add_row(path, engine, format_gbps(rate.get("write_gbps")), format_gbps(rate.get("read_gbps")),
-                       rate.get("error", ""))
+                       rate.get("error") or rate.get("label", ""))
         console.print(bw)
     for rec in doc["recommendations"]:
         console.print(f"GPU{rec['gpu']} should spill to {rec['path']} ({rec['disk'] or '?'}, {rec['link']})")

@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="posix,compat,host", help="comma-separated engines: posix, compat, gds, host (default: posix,compat,host)")
     p.add_argument("--threads", default="", help="comma-separated engine thread counts to sweep, e.g. 1,2,4,8 (default: each engine's default)")
     p.add_argument("--chunk-sizes", default="", help="comma-separated posix chunk / KvikIO task sizes to sweep, e.g. 4MiB,8MiB (default: engine defaults)")
+    p.add_argument("--memory", default="auto", help="buffers the engines move: auto (the GPU when there is one, as the offloader does), host, or a CUDA device (default: auto)")
     p.add_argument("--repeats", type=positive_int, default=1, help="write+read rounds per measurement; the median is shown (default: 1)")
     p.add_argument("--no-raw", action="store_true", help="skip the fio/dd raw measurement (no ratios)")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the report as JSON to OUT ('-': print JSON instead of the table)")
@@ -99,13 +100,14 @@ def render(report: Any) -> None:
         )
         console.print(f"[dim]{raw['command']}[/]")
     table = Table(title="bench-io: GB/s (1e9 B/s), ratio to raw O_DIRECT, bytes left in page cache")
-    for col in ("engine", "thr", "chunk", "tensor", "write", "read", "w/raw", "r/raw", "cached w/r"):
-        table.add_column(col, justify="left" if col == "engine" else "right")
+    for col in ("engine", "memory", "thr", "chunk", "tensor", "write", "read", "w/raw", "r/raw", "cached w/r"):
+        table.add_column(col, justify="left" if col in ("engine", "memory") else "right")
     for r in report.rows:
         ratio = (f"{r['write_ratio']:.2f}", f"{r['read_ratio']:.2f}") if "write_ratio" in r else ("-", "-")
         cw, cr = r["page_cache_after_write_bytes"], r["page_cache_after_read_bytes"]
         table.add_row(
             r["engine"],
+            r["memory"],
             str(r["threads"] or "-"),
             format_bytes(r["chunk_bytes"]) if r["chunk_bytes"] else "-",
             format_bytes(r["tensor_bytes"]),
@@ -115,6 +117,9 @@ def render(report: Any) -> None:
             "none" if not (cw or cr) else f"{format_bytes(cw)}/{format_bytes(cr)}",
         )
     console.print(table)
+    # What each figure is of (host memory through KvikIO is not GPUDirect), unabridged.
+    for engine, label in dict.fromkeys((r["engine"], r["label"]) for r in report.rows):
+        console.print(f"[bold]{engine}[/]: {label}")
     for name, why in report.skipped.items():
         console.print(f"[yellow]skipped {name}[/]: {why}")
 
@@ -155,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             raw=not args.no_raw,
             progress=lambda msg: err.print(f"[dim]measuring {msg}[/]"),
+            memory=args.memory,
         )
     except ConfigError as exc:
         print(f"gds-offload bench-io: {exc}", file=sys.stderr)

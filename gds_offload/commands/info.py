@@ -26,7 +26,7 @@ def collect(path: Path | None) -> dict[str, object]:
 
     path, origin = (path, "--path") if path else spill_dir_origin()
     choice = choose_engine("auto", path)
-    engine = make_engine(choice.engine)
+    engine = make_engine(choice.engine, strict=choice.strict)
     try:
         store = SpillStore([path] if engine.needs_files else [], create=True, origin=origin)
         spill = store.files[0]

@@ -7,8 +7,16 @@ and a :class:`~gds_offload.store.Slot`, and returns an :class:`IOFuture`.
    The caller keeps ``src`` (for writes) and ``dst`` (for reads) alive and unmodified
    until the returned future is done. For CUDA sources, ``ready`` is an event recorded
    on the producing stream; the engine waits on it (on its own thread) before reading
-   the bytes, so the pack hook never blocks. A read future being done means the bytes
-   are in ``dst`` and visible to every stream.
+   the bytes, so the pack hook never blocks. For CUDA destinations, ``ready`` orders the
+   engine's first write into ``dst`` (an engine may wait on its own side stream rather
+   than its thread, and read from the drive meanwhile). A read future being done means
+   the bytes are in ``dst`` and visible to every stream: the engine's copies and DMA into
+   it have finished on the device.
+
+.. note:: Streams
+   Engines never move device memory on the legacy default stream or on a stream that
+   synchronizes with it (see :mod:`gds_offload.io.staging`): a transfer waits for its
+   ``ready`` event only, never for the rest of the compute queued on the caller's stream.
 """
 from __future__ import annotations
 

@@ -3,10 +3,17 @@
 For machines where KvikIO cannot load (no CUDA driver), and for CPU-only CI. With
 ``O_DIRECT`` files (bypassing the page cache like cuFile does), host tensors move
 without a copy: the engine transfers the whole pages that hold them
-(:mod:`gds_offload.io.pages`). Device tensors, and read buffers not made by
-:meth:`PosixEngine.empty`, go through per-thread 4 KiB-aligned bounce buffers. Large
-transfers are split into chunks spread over the pool, so one big tensor keeps several
-requests in flight.
+(:mod:`gds_offload.io.pages`). Read buffers not made by :meth:`PosixEngine.empty` go
+through per-thread 4 KiB-aligned bounce buffers. Large transfers are split into chunks
+spread over the pool, so one big tensor keeps several requests in flight.
+
+Device tensors go through per-thread pinned staging buffers, copied on the thread's own
+side stream (:mod:`gds_offload.io.staging`): a ``copy_`` on a pool thread would run on the
+legacy default stream and wait for (and hold up) the compute queued there. A chunk of a
+write waits on its thread for ``ready``, copies device to pinned, then writes it; a
+chunk of a read is read into pinned memory at once, and only its copy into ``dst`` waits
+(on the side stream) for ``ready``. Each chunk's copy has finished before the chunk
+counts as done, so a done read's bytes are visible to every stream.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import torch
 
 from gds_offload.io.base import Direction, io_error
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, map_anonymous
+from gds_offload.io.staging import StagingPool, copy_out_chunks, on_device, padded
 from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
@@ -64,14 +72,21 @@ class PosixEngine(PageSpanEngine):
         self.num_threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gds_offload-posix")
         self._local = threading.local()
+        # Device memory: one pinned staging buffer of one chunk per pool thread and device (a
+        # pool task moves one chunk; the pool's threads keep several in flight).
+        self._staging = StagingPool(chunk_bytes, count=1)
         self.description = f"posix pwrite/pread, {num_threads} threads, {chunk_bytes >> 20} MiB chunks"
 
     def close(self) -> None:
         super().close()
         self._pool.shutdown(wait=True)
+        self._staging.close()
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fd, base = slot.file.fd, slot.offset
+        if on_device(src):
+            self._heads.record(slot, 0)  # device bytes start at the slot's start
+            return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_device_chunk(src, lo, n, slot))
         span = self._write_span(src, slot)  # zero-copy: see gds_offload.io.pages
         if span is None:
             return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_chunk(src, lo, n, slot))
@@ -82,6 +97,13 @@ class PosixEngine(PageSpanEngine):
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fd, base, total = slot.file.fd, slot.offset, dst.numel()
+        if on_device(dst):
+            # No host-side wait for ready: each chunk's drive read starts at once; its copy into
+            # dst waits for ready on the side stream (_read_device_chunk).
+            head = self._heads.get(slot)
+            return self._split(
+                "read", align_up(head + total), total, None, slot, lambda lo, n: self._read_device_chunk(dst, lo, n, slot, head, ready)
+            )
         span, head = self._read_span(dst, slot)
         if span is None:
             # Through the bounce buffers; the bytes start ``head`` into the slot.
@@ -143,9 +165,34 @@ class PosixEngine(PageSpanEngine):
             local.tensor = torch.frombuffer(local.mm, dtype=torch.uint8)
         return local.tensor, local.view
 
+    def _write_device_chunk(self, src: torch.Tensor, lo: int, n: int, slot: Slot) -> None:
+        # n <= chunk_bytes: one staging buffer holds the chunk; copy_out_chunks drains the side
+        # stream before returning, also after a failed pwrite.
+        f = slot.file
+
+        def to_drive(host: torch.Tensor, _lo: int, m: int) -> None:
+            self._pwrite_all(f.fd, host.numpy().data[: padded(m, f.direct)], slot.offset + lo)
+
+        copy_out_chunks(self._staging.get(src.device), src[lo : lo + n], to_drive)
+
+    def _read_device_chunk(self, dst: torch.Tensor, lo: int, n: int, slot: Slot, head: int, ready: Any) -> None:
+        # [lo, lo + n) of the slot, through one staging buffer; its data bytes are those in
+        # [head, head + dst.numel()), as for _read_chunk.
+        f = slot.file
+        first, last = max(lo, head), min(lo + n, head + dst.numel())
+        if last <= first:
+            return
+        stage = self._staging.get(dst.device)
+        try:
+            self._pread_all(f.fd, stage.buffers[0].numpy().data[: padded(n, f.direct)], slot.offset + lo, need=last - lo)
+            stage.copy_in(0, dst[first - head : last - head], first - lo, ready=ready)
+            stage.wait(0)
+        finally:
+            stage.drain()  # after a failure too: no copy may still write dst once this returns
+
     def _write_chunk(self, src: torch.Tensor, lo: int, n: int, slot: Slot) -> None:
         f = slot.file
-        if f.direct or src.device.type != "cpu":
+        if f.direct:
             tensor, view = self._bounce()
             tensor[:n].copy_(src[lo : lo + n])
             data = view[: align_up(n)] if f.direct else view[:n]
@@ -159,7 +206,7 @@ class PosixEngine(PageSpanEngine):
         first, last = max(lo, head), min(lo + n, head + dst.numel())
         if last <= first:
             return
-        if f.direct or dst.device.type != "cpu":
+        if f.direct:
             tensor, view = self._bounce()
             self._pread_all(f.fd, view[: align_up(n) if f.direct else n], slot.offset + lo, need=last - lo)
             dst[first - head : last - head].copy_(tensor[first - lo : last - lo])

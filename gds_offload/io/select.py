@@ -25,10 +25,15 @@ MODES: tuple[str, ...] = get_args(Mode)
 
 @dataclass(frozen=True)
 class Choice:
-    """The engine ``mode`` resolves to on this node, and the one-line reason."""
+    """The engine ``mode`` resolves to on this node, and the one-line reason.
+
+    ``strict``: ``mode="gds"`` was asked for by name, so the engine must turn cuFile's own
+    POSIX fallback off or fail (:class:`~gds_offload.io.kvikio_engine.KvikIOEngine`);
+    ``auto`` resolved to ``gds`` is not strict."""
 
     engine: Literal["gds", "compat", "posix", "host"]
     reason: str
+    strict: bool = False
 
 
 def validate_mode(mode: object) -> Mode:
@@ -91,7 +96,7 @@ def choose_engine(mode: Mode, path: Path | None, device: str | None = None) -> C
                 f"mode='gds' but GPUDirect Storage is not usable at {path}: {gds_why}. "
                 f"Run `gds-check --path {path}` for details, or use mode='compat' (bounce buffers) or 'auto'"
             )
-        return Choice("gds", f"GPUDirect Storage usable at {path}")
+        return Choice("gds", f"GPUDirect Storage usable at {path}", strict=True)
     if gds_ok:
         return Choice("gds", f"GPUDirect Storage usable at {path}")
     if kvik_ok:
@@ -104,12 +109,21 @@ def make_engine(
     *,
     max_bandwidth: float | None = None,
     num_threads: int | None = None,
+    strict: bool = True,
 ) -> Engine:
-    """Create the named engine (as resolved by :func:`choose_engine`)."""
+    """Create the named engine (as resolved by :func:`choose_engine`).
+
+    ``strict``: for ``gds``, :attr:`Choice.strict` (``False`` when ``auto`` picked it); see
+    :class:`~gds_offload.io.kvikio_engine.KvikIOEngine`.
+
+    Raises:
+        GDSUnavailableError: a strict ``gds`` engine cannot turn cuFile's POSIX fallback off.
+    """
     limiter = TokenBucket(max_bandwidth) if max_bandwidth else None
     if engine in ("gds", "compat"):
-        kw = {"num_threads": num_threads} if num_threads else {}
-        return KvikIOEngine(engine, limiter=limiter, **kw)
+        if num_threads:
+            return KvikIOEngine(engine, strict=strict, limiter=limiter, num_threads=num_threads)
+        return KvikIOEngine(engine, strict=strict, limiter=limiter)
     if engine == "posix":
         return PosixEngine(limiter=limiter, **({"num_threads": num_threads} if num_threads else {}))
     if engine == "host":

@@ -8,12 +8,12 @@ One interface, three rings (:func:`make_ring` picks one):
   an engine's reads (posix ``O_DIRECT``, or KvikIO compat) on its threads. :meth:`Ring.wait`
   blocks on the read's future. Nothing to record at release: on the CPU a layer's post-hook
   runs after its kernels have finished.
-* :class:`DeviceRing` (CUDA, ``tier="drive"``): device buffers, filled by KvikIO
-  ``CuFile.pread`` straight into device memory (GDS: DMA from the drive; compat: KvikIO's
-  pinned bounce buffers), or by posix through host bounce buffers. Each slot has a CUDA
-  event, recorded on the compute stream by :meth:`Ring.release` (after the layer's forward
-  was *queued*: its kernels may still read the slot). A read into the slot is handed that
-  event as ``ready``, and the engine thread synchronizes on it before it writes the slot
+* :class:`DeviceRing` (CUDA, ``tier="drive"``): device buffers, filled by the engine's
+  device route (GDS: cuFile stream operations, DMA from the drive; compat and posix: pinned
+  staging buffers copied on side streams, :mod:`gds_offload.io.staging`). Each slot has a
+  CUDA event, recorded on the compute stream by :meth:`Ring.release` (after the layer's
+  forward was *queued*: its kernels may still read the slot). A read into the slot is handed
+  that event as ``ready``, and the engine orders its first write into the slot after it
   (the engine contract, :mod:`gds_offload.io.base`). :meth:`Ring.wait` blocks the model's
   thread on the read future; done means the bytes are in device memory, visible to every stream.
 * :class:`PinnedRing` (CUDA, ``tier="host"``): every streamed layer lies in one pinned host
@@ -241,7 +241,7 @@ def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: i
         raise ConfigError("engine='host' keeps no files to read; for layers in host memory use tier='host'")
     choice = choose_engine(mode, path, device=device.type)  # type: ignore[arg-type]
     if choice.engine in ("gds", "compat"):
-        return _StoreKvikIO(choice.engine, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
+        return _StoreKvikIO(choice.engine, strict=choice.strict, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
     return PosixEngine(num_threads=num_threads or (4 if device.type == "cpu" else 8), read_pool_bytes=0)
 
 
