@@ -221,13 +221,16 @@ class KvikIOEngine(PageSpanEngine):
                 h.close()
             self._handles.clear()
 
+    #: How handles open their files: spill files are read and written.
+    open_flags = "r+"
+
     def _handle(self, f: SpillFile) -> Any:
         with self._handles_lock:
             h = self._handles.get(f)
             if h is None:
                 try:
                     with _COMPAT_LOCK, self._kvikio.defaults.set("compat_mode", self._compat):
-                        h = self._kvikio.CuFile(f.proc_path, "r+")
+                        h = self._kvikio.CuFile(f.proc_path, self.open_flags)
                 except Exception as exc:
                     if self.name == "gds":
                         raise GDSUnavailableError(

@@ -44,7 +44,6 @@ from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from gds_offload.store import SpillFile
 
 __all__ = ["Fill", "Ring", "HostRing", "DeviceRing", "PinnedRing", "make_read_engine", "wait_read"]
 
@@ -211,20 +210,10 @@ def _aligned_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 class _StoreKvikIO(KvikIOEngine):
     """A KvikIO engine that opens the store's files read-only (a store may be shared, or on a
-    read-only mount; the offloader's spill files are opened ``r+``)."""
+    read-only mount; the offloader's spill files are opened ``r+``). Opening goes through the
+    base engine, under its process-wide compat-mode lock."""
 
-    def _handle(self, f: SpillFile) -> Any:
-        with self._handles_lock:
-            h = self._handles.get(f)
-            if h is None:
-                try:
-                    with self._kvikio.defaults.set("compat_mode", self._compat):
-                        h = self._kvikio.CuFile(f.proc_path, "r")
-                except Exception as exc:
-                    hint = f"run gds-check --path {f.dir.parent if f.dir else '.'} for the reason, or use engine='compat'"
-                    raise OffloadError(f"KvikIO could not open {f.describe()} in {self.name} mode ({exc}); {hint}") from exc
-                self._handles[f] = h
-            return h
+    open_flags = "r"
 
 
 def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: int | None) -> Engine:
