@@ -31,6 +31,10 @@ METHOD = """\
 * **Paired steps.** With `--paired`, each offload process alternates offloaded steps with
   steps under `off.paused()` (ABBA order) and reports the median of the pair ratios: the
   cost of offloading with the machine's slow spells cancelled out.
+* **Ranks.** `gds-offload bench --nproc N` runs every mode on one process and on N DDP
+  ranks (torchrun) in the same rounds, each process with the same torch thread count and
+  the same per-rank batch; ratios to `keep` are taken within a setting, and every rank's
+  losses are compared with `keep`'s on that rank.
 * **Memory.** Peak activation memory is the child's peak RSS (GPU: peak allocated bytes)
   above its level after warm-up; it includes gradients and backward temporaries, which
   every mode has. The offloader's own peaks (kept, held by writes in flight, read ahead)
