@@ -181,7 +181,9 @@ def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     setting, and on the N-rank row that ratio over the one-process ratio."""
     n = doc["nproc"]
     settings, scaling = doc["summary"]["settings"], doc["summary"]["scaling"]
+    paired = any("paired_ratio" in row for s in settings.values() for row in s["modes"].values())
     head = ["mode", "processes", "step (median)", "x keep", f"x keep, {n} ranks / 1 process",
+            *(["x keep, paired", f"paired, {n} ranks / 1 process"] if paired else []),
             "peak activation memory (largest rank)", "written / step (per rank)", "I/O wait / step (per rank)", "losses = keep"]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in doc["results"]:
@@ -205,6 +207,8 @@ def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 f"{median:.3f} s" if median else "-",
                 _ratio(s.get("step_ratio")),
                 _ratio(scaling.get(mode, {}).get("n_over_1")) if nproc == n else "",
+                *([_ratio(s.get("paired_ratio")), _ratio(scaling.get(mode, {}).get("paired_n_over_1")) if nproc == n else ""]
+                  if paired else []),
                 _bytes(peak),
                 _bytes(off["bytes_offloaded"] / steps) if off else "-",
                 f"{off['io_wait_seconds'] / steps:.3f} s" if off else "-",
@@ -219,10 +223,16 @@ def ranks_spread(doc: dict[str, Any]) -> list[str]:
     n, settings = doc["nproc"], doc["summary"]["settings"]
     out = []
     for mode in doc["modes"]:
-        per = [settings[str(k)]["modes"].get(mode, {}).get("step_ratios") or [] for k in (1, n)]
+        rows = [settings[str(k)]["modes"].get(mode, {}) for k in (1, n)]
+        per = [row.get("step_ratios") or [] for row in rows]
         if mode != "keep" and any(per):
             one, many = (", ".join(f"{x:.2f}" for x in ratios) or "-" for ratios in per)
-            out.append(f"{mode}: x keep per round, 1 process: {one}; {n} ranks: {many}")
+            line = f"{mode}: x keep per round, 1 process: {one}; {n} ranks: {many}"
+            pairs = [sorted(row.get("paired_ratios") or []) for row in rows]
+            if all(pairs):
+                one, many = (f"{p[0]:.2f} to {p[-1]:.2f}" for p in pairs)
+                line += f"; paired, each pair: {one} on 1 process, {many} on {n} ranks"
+            out.append(line)
     return out
 
 

@@ -13,7 +13,10 @@ Each setting is summarised on its own (:func:`~gds_offload.commands.bench.summar
 losses (and final weights) are compared bit for bit with ``keep``'s in the same setting, on
 every rank. The offloader's per-rank overhead on N ranks against its overhead on one
 process is then the mode's N-rank ``x keep`` over its one-process ``x keep``
-(``scaling``): 1.00 when each rank pays what one process pays.
+(``scaling``): 1.00 when each rank pays what one process pays. With ``--paired`` each offload
+run also times paused steps between its offloaded ones (on every rank at once), and
+``scaling`` has the same ratio of the paired ratios, which a shared machine's slow spells,
+hitting one run and not another, do not move.
 
 The one-process run spills where rank 0 does: ``--path`` as a template is filled in for local
 rank 0, and the default directory is the base of the ranks' ``<default>/rank<r>``.
@@ -124,6 +127,9 @@ def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any
         xs, ys = one[mode]["step_ratios"], many[mode]["step_ratios"]
         per_round = [y / x for x, y in zip(xs, ys)] if len(xs) == len(ys) else []  # a failed round leaves them unpaired
         scaling[mode] = {"x_keep_1": a, f"x_keep_{nproc}": b, "n_over_1": b / a if a and b else None, "n_over_1_per_round": per_round}
+        pa, pb = one[mode].get("paired_ratio"), many[mode].get("paired_ratio")
+        if pa and pb:  # --paired: offloaded over paused steps of the same processes, the same ratio of ratios
+            scaling[mode] |= {"paired_1": pa, f"paired_{nproc}": pb, "paired_n_over_1": pb / pa}
     agreed = [s["all_losses_agree"] for s in settings.values() if s["all_losses_agree"] is not None]
     return {
         "settings": settings,
@@ -198,8 +204,6 @@ def run(args: argparse.Namespace) -> int:
 
     nproc = args.nproc
     try:
-        if args.paired:
-            raise ConfigError("--paired with --nproc: the N-rank comparison takes its ratios across runs; leave out one of them")
         device = resolve_device(args.device)
         threads = per_process_threads(nproc)
         ranked = replace(base_spec(args, device), torch_threads=threads)

@@ -27,7 +27,7 @@ def _bench(args: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.Comp
 
 
 def test_bench_on_two_ranks(tmp_path):
-    proc, doc = _bench(["--modes", "keep,offload:posix", "--title", "Two ranks"], tmp_path)
+    proc, doc = _bench(["--modes", "keep,offload:posix", "--paired", "--title", "Two ranks"], tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert doc["kind"] == "bench-ranks" and doc["nproc"] == 2
     runs = {(r["mode"], r["nproc"]): r for r in doc["results"]}
@@ -47,13 +47,16 @@ def test_bench_on_two_ranks(tmp_path):
     assert runs[("keep", 1)]["losses_hex"][0] == keep_two["losses_hex"][0]
     scaling = doc["summary"]["scaling"]["offload:posix"]
     assert scaling["n_over_1"] == scaling["x_keep_2"] / scaling["x_keep_1"]
+    # --paired: one paused step beside the offloaded one, on every rank at once, and still exact.
+    assert len(two["paired_keep_seconds"]) == 1 and all(len(x["paired_keep_seconds"]) == 1 for x in two["ranks"])
+    assert scaling["paired_n_over_1"] == scaling["paired_2"] / scaling["paired_1"]
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["rank0", "rank1"]  # each rank its own directory
     # The performance page renders it as its own table.
     results = tmp_path / "results"
     results.mkdir()
     (results / "ranks-2.json").write_text(json.dumps(doc))
     page = render_page(load_sections(results), tmp_path, command="gds-offload report")
-    assert "## Two ranks" in page and "| mode | processes | step (median) | x keep | x keep, 2 ranks / 1 process |" in page
+    assert "## Two ranks" in page and "| mode | processes | step (median) | x keep | x keep, 2 ranks / 1 process | x keep, paired |" in page
     assert "| offload:posix | 2 |" in page and page.count("| yes |") == 4
 
 
@@ -74,9 +77,9 @@ def test_a_failing_rank_is_named(tmp_path):
     assert one["status"] == "ok" and two["status"] == "error"
     assert two["error"].startswith("rank 1: RuntimeError: rank one refuses"), two["error"]
     assert "rank 1: RuntimeError: rank one refuses" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "gds_offload.cli", "bench", "--nproc", "2", "--paired"], env=clean_env(),
+    bad = subprocess.run([sys.executable, "-m", "gds_offload.cli", "bench", "--nproc", "2", "--modes", "keep,nope"], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--paired with --nproc" in bad.stderr, bad.stderr  # before any rank starts
+    assert bad.returncode == 2 and "mode 'nope' is unknown" in bad.stderr, bad.stderr  # before any rank starts
 
 
 def _row(mode: str, nproc: int, step_s: float, losses: list[list[str]], k: int = 0) -> RankedResult:
