@@ -3,8 +3,10 @@ ranks in one run, exact against ``keep`` in each setting; a failing rank named i
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from test_launchers import clean_env
@@ -16,6 +18,21 @@ from gds_offload.commands.bench_ranks import one_process_path, ranks_agree, summ
 
 TINY = ["--layers", "2", "--hidden", "64", "--seq", "64", "--batch", "2", "--vocab", "256", "--steps", "2", "--warmup", "1",
         "--min-bytes", "0", "--plot", ""]
+
+
+def _factory(tmp_path: Path, name: str, refuse_if: str, why: str) -> str:
+    """A ``--model name:make`` factory (the built-in GPT) that raises ``why`` in the processes where
+    ``refuse_if`` holds; returns the PYTHONPATH that makes it importable."""
+    (tmp_path / f"{name}.py").write_text(
+        "import os\n"
+        "from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch\n"
+        "def make(spec):\n"
+        f"    if {refuse_if}:\n"
+        f"        raise RuntimeError({why!r})\n"
+        "    cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)\n"
+        "    return make_gpt(cfg, seed=spec.seed), lambda i: synthetic_batch(cfg, spec.batch, spec.seed + 1 + i), lm_loss\n"
+    )
+    return f"{tmp_path}:{clean_env()['PYTHONPATH']}"
 
 
 def _bench(args: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -61,16 +78,7 @@ def test_bench_on_two_ranks(tmp_path):
 
 
 def test_a_failing_rank_is_named(tmp_path):
-    (tmp_path / "rank_one_fails.py").write_text(
-        "import os\n"
-        "from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch\n"
-        "def make(spec):\n"
-        "    if os.environ.get('RANK') == '1':\n"
-        "        raise RuntimeError('rank one refuses')\n"
-        "    cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)\n"
-        "    return make_gpt(cfg, seed=spec.seed), lambda i: synthetic_batch(cfg, spec.batch, spec.seed + 1 + i), lm_loss\n"
-    )
-    pythonpath = f"{tmp_path}:{clean_env()['PYTHONPATH']}"
+    pythonpath = _factory(tmp_path, "rank_one_fails", "os.environ.get('RANK') == '1'", "rank one refuses")
     proc, doc = _bench(["--modes", "keep", "--model", "rank_one_fails:make"], tmp_path, PYTHONPATH=pythonpath)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
     one, two = sorted(doc["results"], key=lambda r: r["nproc"])
@@ -80,6 +88,40 @@ def test_a_failing_rank_is_named(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gds_offload.cli", "bench", "--nproc", "2", "--modes", "keep,nope"], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "mode 'nope' is unknown" in bad.stderr, bad.stderr  # before any rank starts
+
+
+def test_termination_signal_stops_every_rank(tmp_path):
+    """SIGTERM to ``bench --nproc 2`` while its ranks train: torchrun and both ranks are stopped and
+    reaped, and the command exits 128 + 15 with one line."""
+    from test_commands import _alive, _children, _cmdline
+
+    # The one-process run fails at once (it is not a rank), so the ranks' run is the one under way.
+    pythonpath = _factory(tmp_path, "ranks_only", "'RANK' not in os.environ", "ranks only")
+    env = clean_env(GDS_OFFLOAD_DIR=str(tmp_path / "default"), PYTHONPATH=pythonpath)
+    proc = subprocess.Popen([sys.executable, "-m", "gds_offload.cli", "bench", "--nproc", "2", *TINY, "--steps", "100000",
+                             "--modes", "keep", "--model", "ranks_only:make", "--out", ""],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
+            ranks = [k for k in _children(proc.pid) if "ranks_runner" in _cmdline(k) and "bench.torchrun" not in _cmdline(k)]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.2)
+        time.sleep(3)  # the ranks train now
+        family = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _alive(p)], "a rank outlived the command"
+    assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("stopped by SIGTERM"), err[-2000:]
 
 
 def _row(mode: str, nproc: int, step_s: float, losses: list[list[str]], k: int = 0) -> RankedResult:
