@@ -31,6 +31,10 @@ METHOD = """\
 * **Paired steps.** With `--paired`, each offload process alternates offloaded steps with
   steps under `off.paused()` (ABBA order) and reports the median of the pair ratios: the
   cost of offloading with the machine's slow spells cancelled out.
+* **Ranks.** `gds-offload bench --nproc N` runs every mode on one process and on N DDP
+  ranks (torchrun) in the same rounds, each process with the same torch thread count and
+  the same per-rank batch; ratios to `keep` are taken within a setting, and every rank's
+  losses are compared with `keep`'s on that rank.
 * **Memory.** Peak activation memory is the child's peak RSS (GPU: peak allocated bytes)
   above its level after warm-up; it includes gradients and backward temporaries, which
   every mode has. The offloader's own peaks (kept, held by writes in flight, read ahead)
@@ -123,6 +127,19 @@ def _bytes(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def _pooled(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(median step time, median peak activation memory) of one mode's runs, rounds pooled."""
+    steps = sorted(x for run in runs for x in run["step_seconds"])
+    peaks = sorted(run["peak_activation_bytes"] for run in runs if run.get("peak_activation_bytes") is not None)
+    return (steps[len(steps) // 2] if steps else None), (peaks[len(peaks) // 2] if peaks else None)
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    """A summary row's ``losses = keep`` cell."""
+    agree = row.get("losses_agree")
+    return "-" if agree is None else "yes" if agree else ("yes, in one process" if row.get("exact_in_process") is True else "NO")
+
+
 def _bench_table(doc: dict[str, Any]) -> list[str]:
     """The table of a ``gds-offload bench`` result: one row per mode (rounds pooled)."""
     summary = doc["summary"]["modes"]
@@ -138,28 +155,92 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
         if r["status"] != "ok":
             out.append(f"| {mode} | {r['status']}: {r['error'][:80]} |" + " - |" * (len(head) - 2))
             continue
-        steps = [x for run in runs for x in run["step_seconds"]]
-        median = sorted(steps)[len(steps) // 2] if steps else None
-        peaks = sorted(run["peak_activation_bytes"] for run in runs if run.get("peak_activation_bytes") is not None)
+        median, peak = _pooled(runs)
         off = r.get("offload") or {}
         n = max(1, off.get("steps") or len(r["step_seconds"]))
         parts = "-" if not off else " / ".join(_bytes(off.get(k)) for k in ("peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"))
-        agree = s.get("losses_agree")
-        verdict = "-" if agree is None else "yes" if agree else ("yes, in one process" if s.get("exact_in_process") is True else "NO")
         out.append("| " + " | ".join([
             mode,
             f"{median:.3f} s" if median else "-",
             _ratio(s.get("step_ratio")),
             *([_ratio(s.get("paired_ratio"))] if paired else []),
-            _bytes(peaks[len(peaks) // 2] if peaks else None),
+            _bytes(peak),
             _ratio(s.get("memory_ratio")),
             _bytes(off["bytes_offloaded"] / n) if off else "-",
             _bytes(off["bytes_deduplicated"] / n) if off else "-",
             parts,
             f"{off['io_wait_seconds'] / n:.3f} s" if off else "-",
-            verdict,
+            _verdict(s),
         ]) + " |")
     return out
+
+
+def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a ``gds-offload bench --nproc N`` result: per mode, its row on one
+    process and on N ranks (rounds pooled), each ``x keep`` against ``keep`` in the same
+    setting, and on the N-rank row that ratio over the one-process ratio."""
+    n = doc["nproc"]
+    settings, scaling = doc["summary"]["settings"], doc["summary"]["scaling"]
+    paired = any("paired_ratio" in row for s in settings.values() for row in s["modes"].values())
+    head = ["mode", "processes", "step (median)", "x keep", f"x keep, {n} ranks / 1 process",
+            *(["x keep, paired", f"paired, {n} ranks / 1 process"] if paired else []),
+            "peak activation memory (largest rank)", "written / step (per rank)", "I/O wait / step (per rank)", "losses = keep"]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in doc["results"]:
+        runs.setdefault((r["mode"], r["nproc"]), []).append(r)
+    rows = []
+    for mode in doc["modes"]:
+        for nproc in (1, n):
+            group = runs.get((mode, nproc), [])
+            bad = next((r for r in group if r["status"] != "ok"), None)
+            if not group or bad is not None:
+                why = f"{bad['status']}: {bad['error'][:120]}".replace("|", "/") if bad else "not run"
+                rows.append([mode, str(nproc), why, *["-"] * (len(head) - 3)])
+                continue
+            s = settings[str(nproc)]["modes"][mode]
+            median, peak = _pooled(group)
+            off = group[0].get("offload") or {}
+            steps = max(1, off.get("steps") or len(group[0]["step_seconds"]))
+            rows.append([
+                mode,
+                str(nproc),
+                f"{median:.3f} s" if median else "-",
+                _ratio(s.get("step_ratio")),
+                _ratio(scaling.get(mode, {}).get("n_over_1")) if nproc == n else "",
+                *([_ratio(s.get("paired_ratio")), _ratio(scaling.get(mode, {}).get("paired_n_over_1")) if nproc == n else ""]
+                  if paired else []),
+                _bytes(peak),
+                _bytes(off["bytes_offloaded"] / steps) if off else "-",
+                f"{off['io_wait_seconds'] / steps:.3f} s" if off else "-",
+                _verdict(s),
+            ])
+    return head, rows
+
+
+def ranks_spread(doc: dict[str, Any]) -> list[str]:
+    """One line per mode with its ``x keep`` in every round of both settings: the noise the
+    medians in :func:`ranks_table` carry."""
+    n, settings = doc["nproc"], doc["summary"]["settings"]
+    out = []
+    for mode in doc["modes"]:
+        rows = [settings[str(k)]["modes"].get(mode, {}) for k in (1, n)]
+        per = [row.get("step_ratios") or [] for row in rows]
+        if mode != "keep" and any(per):
+            one, many = (", ".join(f"{x:.2f}" for x in ratios) or "-" for ratios in per)
+            line = f"{mode}: x keep per round, 1 process: {one}; {n} ranks: {many}"
+            pairs = [sorted(row.get("paired_ratios") or []) for row in rows]
+            if all(pairs):
+                one, many = (f"{p[0]:.2f} to {p[-1]:.2f}" for p in pairs)
+                line += f"; paired, each pair: {one} on 1 process, {many} on {n} ranks"
+            out.append(line)
+    return out
+
+
+def _ranks_markdown(doc: dict[str, Any]) -> list[str]:
+    head, rows = ranks_table(doc)
+    table = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+    spread = ranks_spread(doc)
+    return table + (["", *(f"* {line}" for line in spread)] if spread else [])
 
 
 def _generic(doc: dict[str, Any]) -> list[str]:
@@ -203,7 +284,7 @@ CEILINGS = (("ceiling", "ceiling: no data movement"), ("ceiling_reads", "ceiling
 
 
 #: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).
-RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"bench": _bench_table, "table": _generic}
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"bench": _bench_table, "bench-ranks": _ranks_markdown, "table": _generic}
 
 
 def _kind(doc: dict[str, Any]) -> str:

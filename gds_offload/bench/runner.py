@@ -146,6 +146,9 @@ class RunSpec:
     paired: bool = False
     #: Train on token shards from this directory (:mod:`gds_offload.data.train`), not synthetic tokens.
     data: str | None = None
+    #: ``torch.set_num_threads`` in the child (None: torch's default); ``bench --nproc`` gives
+    #: one process and each rank the same count, so their compute is comparable.
+    torch_threads: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -336,6 +339,7 @@ def run_mode(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     timeout_s: float | None = None,
     python: str | None = None,
+    argv: list[str] | None = None,
 ) -> RunResult:
     """Run ``spec`` in a child process and return what it measured. Never raises for a
     failing child: a crash, a kill (out of memory) or a timeout is a ``status="error"`` row.
@@ -345,8 +349,10 @@ def run_mode(
         on_event: called on this thread with each progress event (``{"event": "setup"|"step", ...}``).
         timeout_s: kill the child after this many seconds.
         python: the interpreter (default: this one).
+        argv: the command to start instead of this module's child: a launcher whose children
+            emit the same events (``bench --nproc``: torchrun, see :mod:`gds_offload.bench.ranks_runner`).
     """
-    cmd = [python or sys.executable, "-m", "gds_offload.bench.runner", "--spec", spec.to_json()]
+    cmd = argv or [python or sys.executable, "-m", "gds_offload.bench.runner", "--spec", spec.to_json()]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # see the module doc: bit-identical across processes
     if spec.measure_memory and not spec.device.startswith("cuda"):
@@ -671,13 +677,18 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
     return len(plain) == len(offloaded) and all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
 
-def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> RunResult:
+def run_here(
+    spec: RunSpec,
+    emit: Callable[[dict[str, Any]], None] = _emit,
+    workload: Callable[[RunSpec], Workload] = build_workload,
+) -> RunResult:
     """Run ``spec`` in this process (the child's job; call :func:`run_mode` instead).
 
     With ``spec.paired`` an offload mode alternates its measured steps between offloaded
     and :meth:`~gds_offload.Offloader.paused` ones (pairs in ABBA order): the paused steps
     go to ``paired_keep_seconds``, and the memory peak is that of the offloaded steps. With
     an odd ``spec.steps`` the last step is offloaded and unpaired (:func:`is_unpaired`).
+    ``workload`` builds the model (``bench --nproc``: wrapped in DDP, each rank its batches).
 
     Raises:
         Unavailable: the mode cannot run here.
@@ -690,11 +701,13 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     cuda = spec.device.startswith("cuda")
     # Modes are compared bit for bit across processes: ask torch for its deterministic kernels.
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
     if kind == "save_on_cpu" and not cuda:
         raise Unavailable("save_on_cpu moves CUDA activations to host memory; it needs --device cuda")
     result = RunResult(spec.mode, model=spec.model, device=spec.device, tokens_per_step=spec.tokens_per_step,
                        torch_threads=torch.get_num_threads())
-    wl = build_workload(spec)
+    wl = workload(spec)
     model = wl.model
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
@@ -802,13 +815,18 @@ def run_here(spec: RunSpec, emit: Callable[[dict[str, Any]], None] = _emit) -> R
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The child process: run the ``--spec`` and emit its result as the last event."""
-    parser = argparse.ArgumentParser(prog="python -m gds_offload.bench.runner", description=__doc__.splitlines()[0])
+def child_spec(argv: list[str] | None, module: str, description: str) -> RunSpec:
+    """A child's only argument, ``--spec JSON``, read once the child is tied to its parent (:func:`die_with_parent`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
     args = parser.parse_args(argv)
     die_with_parent()
-    spec = RunSpec.from_json(args.spec)
+    return RunSpec.from_json(args.spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child process: run the ``--spec`` and emit its result as the last event."""
+    spec = child_spec(argv, "gds_offload.bench.runner", __doc__.splitlines()[0])
     t0 = time.perf_counter()
     try:
         result = run_here(spec)

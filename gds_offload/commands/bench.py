@@ -101,6 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="", help="a title for the result file (shown on the performance page)")
     p.add_argument("--about", default="", help="a sentence on what the run shows (shown on the performance page)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+    p.add_argument("--nproc", type=positive_int, default=1, help="also run every mode on this many DDP ranks through torchrun, interleaved with its one-process run (gds_offload/commands/bench_ranks.py); no plot (default: 1)")
 
 
 def resolve_device(device: str) -> str:
@@ -192,8 +193,11 @@ def mode_needs(est: Any, mode: str, device: str) -> dict[str, int]:
     return {device: est.offload_bytes()}
 
 
-def check_fits(base: Any, modes: list[str]) -> None:
+def check_fits(base: Any, modes: list[str], *, copies: int = 1) -> None:
     """Refuse, with the estimate, a built-in GPT run that cannot fit in this machine's memory.
+
+    ``copies``: processes that run it at once (``--nproc``); they share the host's memory,
+    and each has a GPU of its own.
 
     Raises:
         ConfigError: a mode needs more than is available (:func:`available_memory`).
@@ -208,6 +212,7 @@ def check_fits(base: Any, modes: list[str]) -> None:
     free: dict[str, tuple[int, str] | None] = {}
     for mode in modes:
         for where, need in mode_needs(est, mode, base.device).items():
+            need *= copies if where == "cpu" else 1
             if where not in free:
                 free[where] = available_memory(where)
             got = free[where]
@@ -215,7 +220,7 @@ def check_fits(base: Any, modes: list[str]) -> None:
                 continue
             have, source = got
             raise ConfigError(
-                f"{mode} needs about {format_bytes(need)} on {where} (model, gradients and AdamW state "
+                f"{mode} needs about {format_bytes(need)} on {where}{f' ({copies} processes)' if copies > 1 else ''} (model, gradients and AdamW state "
                 f"{format_bytes(est.state_bytes)}; activations {format_bytes(est.activation_bytes)} in all, "
                 f"{format_bytes(est.layer_bytes)} per layer) but {format_bytes(have)} is available ({source}). "
                 f"Lower the sizes (--batch or --batches, --seq, --layers, --hidden)" + (", or leave out keep" if mode == "keep" else "")
@@ -494,12 +499,49 @@ def run_modes(base: Any, modes: list[str], *, timeout_s: float, status: Any = No
     return results
 
 
+def results_doc(
+    args: argparse.Namespace, kind: str, started: float, load_before: tuple[float, float, float], *,
+    spec: Any, path: str | None, modes: list[str], summary: dict[str, Any], results: list[Any], **fields: Any,
+) -> dict[str, Any]:
+    """The results file of a ``bench`` run (written to ``--out`` unless it is ''): what ran, at
+    which commit, when, under what load, on which machine (``path``: its spill drive), the
+    ``fields`` of its kind, and the figures."""
+    from gds_offload.bench.machine import describe_machine
+    from gds_offload.bench.report import current_commit
+
+    doc = {
+        "kind": kind,
+        "title": args.title or None,
+        "about": args.about or None,
+        "command": getattr(args, "command_line", shlex.join(sys.argv)),
+        "commit": current_commit(),
+        **fields,
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_s": time.time() - started,
+        # Other work on the machine moves step times (not memory or exactness): recorded with them.
+        "load_average": {"start": list(load_before), "end": list(os.getloadavg())},
+        "spec": asdict(spec) | {"mode": None, "progress": None},
+        "modes": modes,
+        "machine": describe_machine(path).as_dict(),
+        "summary": summary,
+        "results": [r.as_dict() for r in results],
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gds_offload.bench.machine import describe_machine
     from gds_offload.errors import ConfigError
 
+    if args.nproc > 1:
+        from gds_offload.commands.bench_ranks import run as run_ranks
+
+        return run_ranks(args)
     try:
         device = resolve_device(args.device)
         base = base_spec(args, device)
@@ -520,29 +562,8 @@ def run(args: argparse.Namespace) -> int:
     if summary["all_losses_agree"] is False:
         check_in_process(summary, base, console)
     rows = combine_rounds(results)
-    from gds_offload.bench.report import current_commit
-
-    doc = {
-        "kind": "bench",
-        "title": args.title or None,
-        "about": args.about or None,
-        "command": getattr(args, "command_line", shlex.join(sys.argv)),
-        "commit": current_commit(),
-        "plot": args.plot or None,
-        "argv": sys.argv,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_s": time.time() - started,
-        # Other work on the machine moves step times (not memory or exactness): recorded with them.
-        "load_average": {"start": list(load_before), "end": list(os.getloadavg())},
-        "spec": asdict(base) | {"mode": None, "progress": None},
-        "modes": modes,
-        "machine": describe_machine(base.path).as_dict(),
-        "summary": summary,
-        "results": [r.as_dict() for r in results],
-    }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    doc = results_doc(args, "bench", started, load_before, spec=base, path=base.path, modes=modes, summary=summary,
+                      results=results, plot=args.plot or None)
     # On a CPU the thread count decides how much of the cores the I/O has to take from the model.
     counts = sorted({r.torch_threads for r in rows if r.torch_threads})
     threads = f"torch threads: {'/'.join(map(str, counts))}" if counts and device == "cpu" else ""

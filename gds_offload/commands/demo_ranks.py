@@ -48,6 +48,7 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
 def launch(args: argparse.Namespace) -> int:
     """Check the options, then start ``args.nproc`` ranks of this demo under torchrun; their exit code (2: bad options)."""
     from gds_offload.bench.runner import parse_mode
+    from gds_offload.bench.torchrun import torchrun_command
     from gds_offload.commands.bench import base_spec, resolve_device
     from gds_offload.errors import ConfigError
 
@@ -63,8 +64,7 @@ def launch(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"gds-offload demo: {exc}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--standalone",
-           "-m", "gds_offload.commands.demo_ranks", *_forwarded(args)]
+    cmd = torchrun_command(args.nproc, "gds_offload.commands.demo_ranks", _forwarded(args))
     print(f"gds-offload demo: {shlex.join(cmd)}", flush=True)
     return subprocess.call(cmd)
 
