@@ -89,3 +89,11 @@ def test_readme_headline_is_spliced_between_its_markers(tmp_path: Path) -> None:
     readme.write_text("no markers\n")
     done = subprocess.run([*run, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "headline results" in done.stderr
+
+
+def test_headline_of_each_committed_result() -> None:
+    """Every committed result file gives the README a headline line (none is silently dropped)."""
+    from gds_offload.bench.headline import headline
+
+    for section in load_sections(REPO / "docs" / "results"):
+        assert headline(section.doc), section.path.name

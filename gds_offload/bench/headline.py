@@ -32,6 +32,22 @@ def _bench(doc: dict[str, Any]) -> str | None:
     return "; ".join(parts) or None
 
 
+def _ranks(doc: dict[str, Any]) -> str | None:
+    """``bench --nproc N``: each offload mode's cost per rank on N ranks and on one process."""
+    settings = doc["summary"]["settings"]
+    one, many = settings.get("1", {}).get("modes", {}), settings.get(str(doc.get("nproc")), {}).get("modes", {})
+    parts = []
+    for mode, s in many.items():
+        a = one.get(mode, {})
+        key = "paired_ratio" if s.get("paired_ratio") is not None and a.get("paired_ratio") is not None else "step_ratio"
+        if mode == "keep" or s.get(key) is None or a.get(key) is None:
+            continue
+        exact = "exact" if s.get("losses_agree") and a.get("losses_agree") else "NOT exact"
+        paired = " paired" if key == "paired_ratio" else ""
+        parts.append(f"{mode}: {s[key]:.2f}x keep{paired} per rank on {doc['nproc']} ranks, {a[key]:.2f}x on one process, {exact}")
+    return "; ".join(parts) or None
+
+
 def _targets(doc: dict[str, Any]) -> str | None:
     targets = [t for t in doc.get("targets") or [] if t.get("met") is not None]
     if not targets:
@@ -53,8 +69,13 @@ def _loader(doc: dict[str, Any]) -> str | None:
 
 
 def headline(doc: dict[str, Any]) -> str | None:
-    """One line for ``doc``: its targets met, or its modes' ratios to ``keep``, or its loader ratios."""
-    return _targets(doc) or (_bench(doc) if "summary" in doc and "modes" in doc.get("summary", {}) else None) or _loader(doc)
+    """One line for ``doc``: its targets met, or its modes' ratios to ``keep`` (per setting for
+    ``bench --nproc``), or its loader ratios; None when it has none of these."""
+    raw = doc.get("summary")
+    summary: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    if "settings" in summary:
+        return _ranks(doc)
+    return _targets(doc) or (_bench(doc) if "modes" in summary else None) or _loader(doc)
 
 
 def render_headline(sections: list[Section], page: str) -> str:
