@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import offload_everything, ENGINES, MLP, FusedQKVNet, TinyGPT, assert_same, is_root, make, tmpfs, train_step, settled
+from models import MLP, TinyGPT, assert_same, is_root, make, offload_everything, settled, tmpfs, train_step
 from torch import nn
 
 import gds_offload
