@@ -191,7 +191,8 @@ class Offloader:
         guard: _InterruptGuard | None = getattr(self, "_guard", None)
         if model is None:
             return
-        if guard is not None and model.__dict__.get("forward") is guard:
+        installed: object = model.__dict__.get("forward")  # object: an Any here would widen guard below
+        if guard is not None and installed is guard:
             if self._had_forward_attr:
                 model.forward = guard.forward
             else:

@@ -145,10 +145,12 @@ def collect_node(
     config = _guard(lambda: read_cufile_config(root, env),
                     lambda e: CufileConfig("/etc/cufile.json", False, error=str(e)))
     container = _guard(lambda: probe_container(root), lambda e: ContainerProbe(False, f"probe failed: {e}"))
-    path_probes = tuple(
-        _guard(lambda p=p: probe_path(Path(p), root=root, disk_space=probes.disk_space, origin=origin),
-               lambda e, p=p: PathProbe(str(p), error=f"path probe failed: {e}"))
-        for p in paths)
+
+    def path_probe(p: Path) -> PathProbe:
+        return _guard(lambda: probe_path(Path(p), root=root, disk_space=probes.disk_space, origin=origin),
+                      lambda e: PathProbe(str(p), error=f"path probe failed: {e}"))
+
+    path_probes = tuple(path_probe(p) for p in paths)
     topology = tuple(gpu_topology(g, root) for g in gpu.gpus)
     affinities = tuple(pcie_affinity(t, p) for t in topology for p in path_probes if p.is_dir)
     return NodeReport(

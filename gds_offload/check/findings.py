@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 from gds_offload.check.collect import NodeReport
 from gds_offload.check.paths import PathProbe
@@ -79,7 +79,7 @@ class Finding:
 _COMPAT_STILL_WORKS = "offloading still works through the compat path"
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
@@ -392,15 +392,21 @@ def _device_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     return [Finding(CheckResult("block-device", "ok", f"{where} (not NVMe; the filesystem decides)"))]
 
 
+def _listed(settings: Mapping[str, object], key: str) -> list[str]:
+    """A cufile.json denylist as strings; cuFile reads only arrays there, so anything else lists nothing."""
+    value = settings.get(key)
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
 def _denylist_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     settings = report.cufile_config.settings
     hits = []
-    if path.fstype and path.fstype in (settings.get("denylist.filesystems") or []):
+    if path.fstype and path.fstype in _listed(settings, "denylist.filesystems"):
         hits.append(f"denylist.filesystems lists {path.fstype}")
-    if path.mountpoint and path.mountpoint in (settings.get("denylist.mounts") or []):
+    if path.mountpoint and path.mountpoint in _listed(settings, "denylist.mounts"):
         hits.append(f"denylist.mounts lists {path.mountpoint}")
     dev = path.device
-    if dev and dev.disk and any(dev.disk in str(d) for d in settings.get("denylist.devices") or []):
+    if dev and dev.disk and any(dev.disk in d for d in _listed(settings, "denylist.devices")):
         hits.append(f"denylist.devices lists {dev.disk}")
     if not hits:
         return []

@@ -522,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
     rows = combine_rounds(results)
     from gds_offload.bench.report import current_commit
 
-    doc = {
+    doc: dict[str, Any] = {
         "kind": "bench",
         "title": args.title or None,
         "about": args.about or None,
