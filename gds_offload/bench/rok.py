@@ -4,7 +4,7 @@ For each micro-batch size and each placement (``keep``: everything in memory;
 ``recompute``: full layer-wise activation checkpointing; ``all``: offload every
 eligible tensor; ``adaptive``: offload what the drive hides), one child process
 trains the model and measures the median step time and the peak activation memory
-(see :mod:`gds_offload.bench.runner`). The points form the ROK curve: throughput
+(see :mod:`gds_offload.bench.child`). The points form the ROK curve: throughput
 against activation memory. :func:`recommend` answers "with N bytes of activation
 memory, which point gives the most tokens/s?".
 """
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gds_offload.bench.runner import RunResult, RunSpec, run_mode
+from gds_offload.bench.runner import run_mode
+from gds_offload.bench.spec import RunResult, RunSpec
 
 __all__ = ["PLACEMENTS", "Measured", "RokPoint", "sweep", "recommend", "frontier", "findings", "plot"]
 

@@ -5,12 +5,12 @@ Modes (``--modes``, comma-separated): ``keep`` (no offloader), ``offload`` (engi
 ``offload:*`` (every engine that runs here), ``adaptive`` (``policy="adaptive"``),
 ``recompute`` (per-layer activation checkpointing) and ``save_on_cpu`` (CUDA only).
 ``auto`` (the default) is ``keep,offload:*,adaptive,recompute`` plus ``save_on_cpu`` on
-a GPU. See :mod:`gds_offload.bench.runner` for how each mode is run and measured.
+a GPU. See :mod:`gds_offload.bench.child` for how each mode is run and measured.
 
 Models (``--model``): ``gpt`` (the built-in GPT), ``llama`` / ``gpt2`` (Hugging Face
 ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` built from a config of the requested size,
 random weights), or ``pkg.module:factory``: a function called with a
-:class:`~gds_offload.bench.runner.ModelSpec` (the sizes below, ``seed`` and ``device``)
+:class:`~gds_offload.bench.workload.ModelSpec` (the sizes below, ``seed`` and ``device``)
 that returns ``(model, batch_fn)`` or ``(model, batch_fn, loss_fn)``, where
 ``batch_fn(step: int)`` returns that step's batch (a function of the step only) and the
 loss is ``loss_fn(model, batch)``, else the model's output for the batch (``**dict``,
@@ -137,7 +137,7 @@ def check_model_name(model: str) -> None:
     """
     import importlib.util
 
-    from gds_offload.bench.runner import BUILTIN_MODELS
+    from gds_offload.bench.workload import BUILTIN_MODELS
     from gds_offload.errors import ConfigError
 
     if model == "gpt":
@@ -177,7 +177,7 @@ def available_memory(device: str) -> tuple[int, str] | None:
 
 def mode_needs(est: Any, mode: str, device: str) -> dict[str, int]:
     """Bytes ``mode`` needs per memory (``"cpu"``, or the CUDA device and ``"cpu"`` for host copies)."""
-    from gds_offload.bench.runner import parse_mode
+    from gds_offload.bench.spec import parse_mode
 
     kind, engine = parse_mode(mode)
     cuda = device.startswith("cuda")
@@ -229,7 +229,7 @@ def check_runs(base: Any, modes: list[str]) -> None:
     Raises:
         ConfigError: the first problem, naming the flag.
     """
-    from gds_offload.bench.runner import parse_mode
+    from gds_offload.bench.spec import parse_mode
     from gds_offload.offloader import make_config
 
     check_model_name(base.model)
@@ -248,13 +248,13 @@ def check_runs(base: Any, modes: list[str]) -> None:
 
 
 def base_spec(args: argparse.Namespace, device: str) -> Any:
-    """The :class:`~gds_offload.bench.runner.RunSpec` the options describe (mode left as ``keep``).
+    """The :class:`~gds_offload.bench.spec.RunSpec` the options describe (mode left as ``keep``).
 
     Raises:
         ConfigError: a bad size string or shape.
     """
     from gds_offload.bench.gpt import GPTConfig, demo_preset
-    from gds_offload.bench.runner import RunSpec
+    from gds_offload.bench.spec import RunSpec
     from gds_offload.data.train import data_defaults
     from gds_offload.units import parse_bandwidth, parse_bytes
 
@@ -306,7 +306,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
 
 def select_modes(text: str, device: str, path: str | None) -> list[str]:
     """``--modes`` expanded (``auto``, ``offload:*``) and validated."""
-    from gds_offload.bench.runner import expand_modes
+    from gds_offload.bench.spec import expand_modes
 
     if text.strip() == "auto":
         text = "keep,offload:*,adaptive,recompute" + (",save_on_cpu" if device.startswith("cuda") else "")
@@ -323,7 +323,7 @@ def summarize(results: list[Any]) -> dict[str, Any]:
     step's time over its paused partner's (``paired_ratios``). Losses agree when they
     agree in every round.
     """
-    from gds_offload.bench.runner import compare_losses, paired_ratios
+    from gds_offload.bench.spec import compare_losses, paired_ratios
 
     rounds = sorted({r.round for r in results})
     per_round = {k: [r for r in results if r.round == k] for k in rounds}
@@ -360,9 +360,10 @@ def summarize(results: list[Any]) -> dict[str, Any]:
 
 def check_in_process(summary: dict[str, Any], base: Any, console: Any = None) -> None:
     """For each offload mode whose losses differed from keep's across processes, decide in one
-    process (:func:`~gds_offload.bench.runner.exact_in_process`) and record the verdict as the
+    process (:func:`~gds_offload.bench.child.exact_in_process`) and record the verdict as the
     mode's ``exact_in_process`` in ``summary``. Other modes (recompute, ...) are not checked."""
-    from gds_offload.bench.runner import exact_in_process, parse_mode
+    from gds_offload.bench.child import exact_in_process
+    from gds_offload.bench.spec import parse_mode
 
     for mode, row in summary["modes"].items():
         if row["losses_agree"] is False and parse_mode(mode)[0] in ("offload", "adaptive"):
@@ -453,7 +454,7 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: {r.error}")
     if summary["all_losses_agree"] is False:
-        from gds_offload.bench.runner import LOSSES_DIFFER_NOTE, in_process_verdict
+        from gds_offload.bench.child import LOSSES_DIFFER_NOTE, in_process_verdict
 
         console.print("[red]losses differ between modes (bit-identical expected)[/]")
         console.print(f"[yellow]{LOSSES_DIFFER_NOTE}[/]")

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gds_offload.bench import rok
     from gds_offload.bench.gpt import GPTConfig
-    from gds_offload.bench.runner import RunSpec
+    from gds_offload.bench.spec import RunSpec
     from gds_offload.commands.bench import check_runs, resolve_device
     from gds_offload.errors import ConfigError
     from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
