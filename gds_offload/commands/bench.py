@@ -230,14 +230,14 @@ def check_runs(base: Any, modes: list[str]) -> None:
         ConfigError: the first problem, naming the flag.
     """
     from gds_offload.bench.spec import parse_mode
-    from gds_offload.offloader import make_config
+    from gds_offload.config import OffloadConfig
 
     check_model_name(base.model)
     for mode in modes:
         kind, engine = parse_mode(mode)
         if kind not in ("offload", "adaptive"):
             continue
-        make_config(
+        OffloadConfig.from_kwargs(
             path=base.path, mode=engine or "auto", policy="adaptive" if kind == "adaptive" else base.policy,
             keep_last=1 if base.keep_last is None else base.keep_last,
             **({} if base.min_bytes is None else {"min_bytes": base.min_bytes}),
