@@ -16,7 +16,7 @@ from typing import Any, Literal
 from gds_offload.errors import ConfigError
 from gds_offload.io import Mode, validate_mode
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Policy
-from gds_offload.store import Origin, check_dir, spill_dir_origin
+from gds_offload.spill_dir import Origin, check_dir, spill_dir_origin
 from gds_offload.units import parse_bandwidth, parse_bytes
 
 __all__ = ["OffloadConfig", "OnError", "DEFAULT_MIN_BYTES"]
@@ -47,7 +47,7 @@ class OffloadConfig:
     num_threads: int | None = None
     verify: bool = False
     write_window: int | None = None
-    #: Where ``paths`` came from (see :func:`~gds_offload.store.check_dir`).
+    #: Where ``paths`` came from (see :func:`~gds_offload.spill_dir.check_dir`).
     origin: Origin = field(default="path", compare=False)
 
     @classmethod
@@ -74,7 +74,7 @@ class OffloadConfig:
 
         Raises:
             ConfigError: the first bad argument, with its value and the fix; a spill directory
-                :func:`~gds_offload.store.check_dir` refuses.
+                :func:`~gds_offload.spill_dir.check_dir` refuses.
         """
         engine_mode = validate_mode(mode)
         if budget is not None:
@@ -133,7 +133,7 @@ def _checked_on_error(value: object) -> OnError:
 
 def _checked_paths(path: Any, origin: Origin = "path") -> tuple[tuple[Path, ...], Origin]:
     """``path=`` as directories, and where they came from. Types and emptiness only; the
-    directories themselves are judged by :func:`~gds_offload.store.check_dir`."""
+    directories themselves are judged by :func:`~gds_offload.spill_dir.check_dir`."""
     if path is None:
         d, origin = spill_dir_origin()
         return (d,), origin

@@ -423,7 +423,7 @@ def attach(
         path: spill directory, or a list of them (one per drive; tensors are striped); one
             that does not exist is created (0700, parents as needed). Default:
             ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``, which must belong to you.
-            Every directory passes :func:`~gds_offload.store.check_dir` (as in ``gds-check``).
+            Every directory passes :func:`~gds_offload.spill_dir.check_dir` (as in ``gds-check``).
             Per rank (:mod:`gds_offload.ranks`): ``{rank}``/``{local_rank}`` templates,
             :func:`~gds_offload.per_rank`, ``"auto"`` (the NVMe drive closest to the GPU);
             under torchrun/SLURM the default becomes ``<default>/rank<rank>``.

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from gds_offload.errors import ConfigError
-from gds_offload.store import default_spill_dir, prepare_dir
+from gds_offload.spill_dir import default_spill_dir, prepare_dir
 
 __all__ = [
     "RankEnv",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.errors import ConfigError
-from gds_offload.store import mount_of
+from gds_offload.spill_dir import mount_of
 
 __all__ = [
     "FIO_BLOCK_BYTES",

@@ -168,7 +168,7 @@ def available_offload_engines(device: str, path: str | None) -> list[str]:
     from pathlib import Path
 
     from gds_offload.io import choose_engine
-    from gds_offload.store import default_spill_dir
+    from gds_offload.spill_dir import default_spill_dir
 
     engines = ["posix"]
     for name in ("compat", "gds"):

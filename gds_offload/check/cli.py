@@ -16,7 +16,7 @@ from gds_offload.check.collect import NodeReport, collect_node
 from gds_offload.check.findings import CheckResult
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
 from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
-from gds_offload.store import Origin, spill_dir_origin
+from gds_offload.spill_dir import Origin, spill_dir_origin
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 

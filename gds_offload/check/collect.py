@@ -28,7 +28,7 @@ from gds_offload.check.node import (
 )
 from gds_offload.check.paths import PathProbe, probe_path, statvfs_space
 from gds_offload.check.topology import Affinity, GpuTopology, gpu_topology, pcie_affinity
-from gds_offload.store import Origin
+from gds_offload.spill_dir import Origin
 
 __all__ = ["NodeReport", "Probes", "DEFAULT_PROBES", "RELEVANT_ENV", "collect_node"]
 
@@ -129,7 +129,7 @@ def collect_node(
         timeout_s: limit for the KvikIO child.
         probes: boundary functions (replace them in tests).
         origin: where ``paths`` came from (``--path``, ``GDS_OFFLOAD_DIR``, ``default``): the
-            name the directory verdicts use (:func:`gds_offload.store.check_dir`).
+            name the directory verdicts use (:func:`gds_offload.spill_dir.check_dir`).
 
     Returns:
         The facts, ready for :func:`~gds_offload.check.verdict.decide`.

@@ -290,7 +290,7 @@ def path_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     """Findings for one spill directory, in blocking order."""
     where = path.path
     fix_path = "pass --path (or set GDS_OFFLOAD_DIR) to a writable directory on an NVMe ext4/xfs filesystem"
-    if path.problem:  # what attach() would refuse it with: the same words (gds_offload.store.check_dir)
+    if path.problem:  # what attach() would refuse it with: the same words (gds_offload.spill_dir.check_dir)
         fix = path.fix or fix_path
         return [Finding(CheckResult("path", "fail", path.problem, fix), "usable", path.problem, fix)]
     if not path.exists and not path.would_create:
