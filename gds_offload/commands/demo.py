@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from gds_offload.commands.bench import add_model_arguments, base_spec, check_runs, resolve_device
+from gds_offload.commands.run_args import add_model_arguments, base_spec, check_runs, resolve_device
 
 HELP = "train a GPT without and with the offloader, live; compare step time, memory and losses"
 

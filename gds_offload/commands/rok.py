@@ -21,7 +21,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench import positive_int
+    from gds_offload.commands.run_args import positive_int
 
     p.add_argument("--model", default="gpt", help="gpt (built-in), llama, gpt2, or pkg.module:factory")
     p.add_argument("--layers", type=positive_int, default=6)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench import rok
     from gds_offload.bench.gpt import GPTConfig
     from gds_offload.bench.spec import RunSpec
-    from gds_offload.commands.bench import check_runs, resolve_device
+    from gds_offload.commands.run_args import check_runs, resolve_device
     from gds_offload.errors import ConfigError
     from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
