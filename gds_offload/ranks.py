@@ -36,6 +36,10 @@ it (their files stay apart; they share the drive's space and bandwidth).
 Directories this module chooses (the default, ``"auto"``) are created 0700 when
 missing; directories the caller names (templates, ``per_rank``) must exist, as for
 any explicit ``path``. Nothing here imports torch at module import.
+
+Every form of ``path`` in the table resolves in this one module, ``"auto"``'s drive
+ranking included: each answer is a :class:`Placement` under the same per-rank directory
+and creation rules, and the table above stays next to the code that implements it.
 """
 from __future__ import annotations
 

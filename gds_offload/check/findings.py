@@ -5,6 +5,9 @@ Each rule reads the collected facts and returns a :class:`Finding`: a
 verdict line it forces (``blocks="usable"``: the offloader cannot work at the path;
 ``blocks="gds"``: only the compat path works). The rules are listed in blocking order;
 :mod:`~gds_offload.check.verdict` picks the first blocker.
+
+All of ``gds-check``'s rules stay in this one module (node, spill directory, then driver and
+affinity), so the blocking order the verdict depends on reads from top to bottom.
 """
 from __future__ import annotations
 
