@@ -68,6 +68,7 @@ from gds_offload.store import Slot, SpillStore
 
 __all__ = ["attach", "offloader_of", "Offloader"]
 
+
 @dataclass
 class _ThreadState:
     """What one thread's forwards of the attached model are doing."""

@@ -66,6 +66,7 @@ LOSSES_DIFFER_NOTE = (
     "without and then with the offloader, where only the offloader can make a difference."
 )
 
+
 def in_process_verdict(exact: bool) -> str:
     """The line (rich markup) that reports :func:`exact_in_process`'s answer after a cross-process difference."""
     if exact:
@@ -73,9 +74,11 @@ def in_process_verdict(exact: bool) -> str:
                 "gradient): the difference came from separate processes, not the offloader")
     return "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]"
 
+
 def _emit(event: dict[str, Any]) -> None:
     sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
     sys.stdout.flush()
+
 
 def _proc_status_bytes(key: str) -> int | None:
     try:
@@ -87,6 +90,7 @@ def _proc_status_bytes(key: str) -> int | None:
         return None
     return None
 
+
 def _reset_hwm() -> str:
     """Reset this process's ``VmHWM`` to its current RSS. Returns "" or why it failed."""
     try:
@@ -96,6 +100,7 @@ def _reset_hwm() -> str:
     except OSError as exc:
         return f"cannot reset VmHWM ({exc})"
 
+
 def _params_digest(model: Any) -> str:
     import torch
     import xxhash
@@ -104,6 +109,7 @@ def _params_digest(model: Any) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
 
 def _checkpoint_layers(layers: list[tuple[str, Any]]) -> None:
     """Wrap each layer's forward in non-reentrant activation checkpointing."""
@@ -116,6 +122,7 @@ def _checkpoint_layers(layers: list[tuple[str, Any]]) -> None:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
+
 
 def _offload_snapshot(off: Any) -> dict[str, Any]:
     s = off.stats()
@@ -130,6 +137,7 @@ def _offload_snapshot(off: Any) -> dict[str, Any]:
         "read_gbps": e.read_gbps(),
     }
 
+
 def abba_first_half(k: int) -> bool:
     """Whether measured step ``k`` of a paired run is the treated half of its pair (A in ABBA).
 
@@ -137,6 +145,7 @@ def abba_first_half(k: int) -> bool:
     is odd, so a steady drift of the machine's speed cancels over two pairs.
     """
     return (k % 2 == 0) == ((k // 2) % 2 == 0)
+
 
 def is_unpaired(k: int, steps: int) -> bool:
     """Whether measured step ``k`` of ``steps`` has no partner: the last one of an odd count

@@ -43,6 +43,7 @@ _ENGINES = ("auto", "gds", "compat", "posix", "host")
 class Unavailable(Exception):
     """A mode that cannot run here (recorded as ``status="unavailable"``, not as a failure)."""
 
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run: a model, a size, a mode, and how long to measure.
@@ -98,6 +99,7 @@ class RunSpec:
     def tokens_per_step(self) -> int:
         return self.batch * self.seq
 
+
 @dataclass
 class RunResult:
     """What one mode measured. ``status`` is ``ok``, ``unavailable`` (the mode cannot run
@@ -143,6 +145,7 @@ class RunResult:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
 def parse_mode(mode: str) -> tuple[str, str | None]:
     """``"offload:posix" -> ("offload", "posix")``, ``"keep" -> ("keep", None)``.
 
@@ -161,6 +164,7 @@ def parse_mode(mode: str) -> tuple[str, str | None]:
         f"mode {mode!r} is unknown; expected keep, offload, offload:<{'|'.join(_ENGINES)}>, offload:*, "
         f"adaptive, adaptive:<engine>, recompute or save_on_cpu"
     )
+
 
 def available_offload_engines(device: str, path: str | None) -> list[str]:
     """The engines that can run here: posix and host always, compat with a usable KvikIO,
@@ -182,6 +186,7 @@ def available_offload_engines(device: str, path: str | None) -> list[str]:
     engines.append("host")
     return engines
 
+
 def expand_modes(modes: list[str], device: str, path: str | None) -> list[str]:
     """Expand ``offload:*`` to every engine that runs here and drop duplicates (order kept).
 
@@ -199,6 +204,7 @@ def expand_modes(modes: list[str], device: str, path: str | None) -> list[str]:
             if m not in out:
                 out.append(m)
     return out
+
 
 def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[str, bool | None]:
     """For each mode: are its losses (and final parameters) bit-identical to the reference's?
@@ -220,6 +226,7 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 def paired_ratios(result: RunResult) -> list[float]:
     """Each pair's offloaded step time over its paused partner's (empty unless the run was paired)."""
     return [a / b for a, b in zip(result.step_seconds, result.paired_keep_seconds) if b]
+
 
 def attach_kwargs(spec: RunSpec, engine: str, policy: str) -> dict[str, Any]:
     """The :func:`gds_offload.attach` keyword arguments of ``spec`` (its unset options left to attach's defaults)."""

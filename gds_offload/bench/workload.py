@@ -34,6 +34,7 @@ class ModelSpec:
     seed: int
     device: str
 
+
 @dataclass
 class Workload:
     """A model and how to train it: ``loss_fn(model, batch_fn(step))`` is one step's loss."""
@@ -76,6 +77,7 @@ def build_workload(spec: RunSpec) -> Workload:
         f"(a function taking a ModelSpec and returning (model, batch_fn))"
     )
 
+
 def hf_model(name: str, spec: RunSpec | ModelSpec) -> Any:
     """A Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` of the size in ``spec``, random weights."""
     import torch
@@ -102,12 +104,14 @@ def hf_model(name: str, spec: RunSpec | ModelSpec) -> Any:
         )
         return GPT2LMHeadModel(gpt2)
 
+
 def _hf_batch(spec: RunSpec, step: int) -> dict[str, Any]:
     import torch
 
     gen = torch.Generator().manual_seed(spec.seed + 1 + step)
     ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=gen).to(spec.device)
     return {"input_ids": ids, "labels": ids}
+
 
 def _output_loss(model: Any, batch: Any) -> Any:
     """The loss convention for HF models and user factories: call the model with the batch
@@ -132,6 +136,7 @@ def _output_loss(model: Any, batch: Any) -> Any:
             f"with .loss, or return (model, batch_fn, loss_fn) from the factory"
         )
     return loss
+
 
 def _user_workload(spec: RunSpec) -> Workload:
     """``--model pkg.module:factory``: the factory contract.

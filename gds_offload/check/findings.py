@@ -417,6 +417,7 @@ def _denylist_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     return [Finding(CheckResult("cufile.json", "warn", "; ".join(hits), fix), "gds",
                     f"{report.cufile_config.path} {hits[0]}", fix)]
 
+
 # --------------------------------------------------------------------------------------
 # cuFile driver, affinity and recommendation
 # --------------------------------------------------------------------------------------
