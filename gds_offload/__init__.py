@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from gds_offload._version import __version__
 
 if TYPE_CHECKING:
+    from gds_offload.config import OffloadConfig
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
-    from gds_offload.offloader import OffloadConfig, Offloader, attach
+    from gds_offload.offloader import Offloader, attach, offloader_of
     from gds_offload.policy import Budget, BudgetError, Plan
     from gds_offload.ranks import PerRank, per_rank
     from gds_offload.stats import LayerStats, OffloadStats
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "attach": "gds_offload.offloader",
     "Offloader": "gds_offload.offloader",
-    "OffloadConfig": "gds_offload.offloader",
+    "offloader_of": "gds_offload.offloader",
+    "OffloadConfig": "gds_offload.config",
     "Budget": "gds_offload.policy",
     "BudgetError": "gds_offload.policy",
     "Plan": "gds_offload.policy",

@@ -1,5 +1,9 @@
 """``attach(model)``: wires the scheduler into a model's forward and backward.
 
+The :class:`Offloader`, its hooks and what keeps its engine and store alive stay in one
+module: they share the per-thread forward state and the ownership rules of the note
+below. Its arguments are checked in :mod:`gds_offload.config`.
+
 Hooks installed (all removed by :meth:`Offloader.detach`):
 
 * root forward pre-hook: enters ``torch.autograd.graph.saved_tensors_hooks`` with the
@@ -38,58 +42,31 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import difflib
 import functools
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gds_offload.config import DEFAULT_MIN_BYTES, OffloadConfig, OnError
 from gds_offload.errors import ConfigError
-from gds_offload.io import choose_engine, make_engine, validate_mode
+from gds_offload.io import choose_engine, make_engine
 from gds_offload.io.base import Engine
 from gds_offload.layers import resolve_layers
-from gds_offload.policy import Adaptive, Budget, OffloadAll, Plan, Policy
+from gds_offload.policy import Budget, Plan
 from gds_offload.ranks import PerRank, rank_path
 from gds_offload.scheduler import Scheduler, SchedulerConfig
 from gds_offload.stats import OffloadStats
-from gds_offload.store import Origin, Slot, SpillStore, check_dir, spill_dir_origin
-from gds_offload.units import parse_bandwidth, parse_bytes
+from gds_offload.store import Slot, SpillStore
 
-__all__ = ["attach", "make_config", "Offloader", "OffloadConfig", "DEFAULT_MIN_BYTES"]
-
-#: Storages under this size stay in memory. Measured with ``gds-offload bench-io``:
-#: below about 1 MiB per transfer the engines reach well under half of the drive's bandwidth.
-DEFAULT_MIN_BYTES = 1 << 20
-
-_POLICIES = ("all", "adaptive")
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Everything :func:`attach` was asked for, validated."""
-
-    paths: tuple[Path, ...]
-    mode: str
-    policy: str | Budget
-    min_bytes: int
-    keep_last: int
-    prefetch_bytes: int | None
-    max_bandwidth: float | None
-    on_error: Literal["fallback", "raise"]
-    num_threads: int | None = None
-    verify: bool = False
-    write_window: int | None = None
-    #: Where ``paths`` came from (see :func:`~gds_offload.store.check_dir`).
-    origin: Origin = field(default="path", compare=False)
+__all__ = ["attach", "offloader_of", "Offloader"]
 
 
 @dataclass
@@ -125,7 +102,7 @@ class Offloader:
     def __init__(self, model: nn.Module, config: OffloadConfig, layers: Sequence[tuple[str, nn.Module]]) -> None:
         # Validate first, then allocate, then register.
         device = next((p.device.type for p in model.parameters()), None)
-        choice = choose_engine(config.mode, config.paths[0], device)  # type: ignore[arg-type]
+        choice = choose_engine(config.mode, config.paths[0], device)
         self.config = config
         self.layer_names = [n for n, _ in layers]
         engine = make_engine(choice.engine, max_bandwidth=config.max_bandwidth, num_threads=config.num_threads, strict=choice.strict)
@@ -138,7 +115,7 @@ class Offloader:
         except BaseException:
             engine.close()
             raise
-        policy = _make_policy(config)
+        policy = config.make_policy()
         self._stats = OffloadStats(engine=engine.name, engine_reason=choice.reason, gds=engine.uses_gds)
         self.engine = engine
         self.store = store
@@ -191,7 +168,8 @@ class Offloader:
         guard: _InterruptGuard | None = getattr(self, "_guard", None)
         if model is None:
             return
-        if guard is not None and model.__dict__.get("forward") is guard:
+        installed: object = model.__dict__.get("forward")  # object: an Any here would widen guard below
+        if guard is not None and installed is guard:
             if self._had_forward_attr:
                 model.forward = guard.forward
             else:
@@ -433,7 +411,7 @@ def attach(
     layers: Sequence[nn.Module | str] | None = None,
     prefetch_bytes: int | str | None = None,
     max_bandwidth: float | str | None = None,
-    on_error: Literal["fallback", "raise"] = "fallback",
+    on_error: OnError = "fallback",
     num_threads: int | None = None,
     verify: bool = False,
     write_window: int | str | None = None,
@@ -446,7 +424,7 @@ def attach(
         path: spill directory, or a list of them (one per drive; tensors are striped); one
             that does not exist is created (0700, parents as needed). Default:
             ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``, which must belong to you.
-            Every directory passes :func:`~gds_offload.store.check_dir` (as in ``gds-check``).
+            Every directory passes :func:`~gds_offload.spill_dir.check_dir` (as in ``gds-check``).
             Per rank (:mod:`gds_offload.ranks`): ``{rank}``/``{local_rank}`` templates,
             :func:`~gds_offload.per_rank`, ``"auto"`` (the NVMe drive closest to the GPU);
             under torchrun/SLURM the default becomes ``<default>/rank<rank>``.
@@ -485,14 +463,21 @@ def attach(
         GDSUnavailableError: ``mode="gds"`` where GPUDirect Storage does not work.
     """
     _check_model(model)
-    if _is_path_spec(path):  # anything else is refused by make_config, with its own message
+    if _is_path_spec(path):  # anything else is refused by OffloadConfig.from_kwargs, with its own message
         path = rank_path(path, model=model)  # this rank's directories under torchrun/SLURM (gds_offload/ranks.py)
-    config = make_config(
+    config = OffloadConfig.from_kwargs(
         path=path, mode=mode, policy=policy, budget=budget, min_bytes=min_bytes, keep_last=keep_last,
         prefetch_bytes=prefetch_bytes, max_bandwidth=max_bandwidth, on_error=on_error, num_threads=num_threads,
         verify=verify, write_window=write_window,
     )
     return Offloader(model, config, resolve_layers(model, _checked_layers(layers)))
+
+
+def offloader_of(model: nn.Module) -> Offloader | None:
+    """The offloader attached to ``model`` now; ``None`` when none is (never attached, or detached)."""
+    ref = getattr(model, "_gds_offloader", None)
+    owner = ref() if isinstance(ref, weakref.ref) else None
+    return owner if owner is not None and owner.attached else None
 
 
 def _is_path_spec(path: Any) -> bool:
@@ -518,9 +503,7 @@ def _check_model(model: Any) -> None:
             "registered (script) or never run (trace). Offload the eager model: attach to the eager module, "
             "before scripting or tracing it"
         )
-    existing = getattr(model, "_gds_offloader", None)
-    owner = existing() if isinstance(existing, weakref.ref) else None
-    if owner is not None and owner.attached:
+    if offloader_of(model) is not None:
         raise ConfigError("an offloader is already attached to this model; call .detach() on it first")
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no parameters; attach() offloads activations of a trained model")
@@ -543,118 +526,6 @@ def _checked_layers(layers: Any) -> Any:
             f"layers={layers!r} ({type(layers).__name__}) is not a list; pass a list of modules or qualified names"
         )
     return layers
-
-
-def _checked_paths(path: Any, origin: Origin = "path") -> tuple[tuple[Path, ...], Origin]:
-    """``path=`` as directories, and where they came from. Types and emptiness only; the
-    directories themselves are judged by :func:`~gds_offload.store.check_dir`."""
-    if path is None:
-        d, origin = spill_dir_origin()
-        return (d,), origin
-    items = [path] if isinstance(path, (str, bytes, os.PathLike)) else path
-    if isinstance(items, (int, float)) or not isinstance(items, Sequence):
-        raise ConfigError(
-            f"path={path!r} ({type(path).__name__}) is not a directory; pass a str or pathlib.Path, or a list of them"
-        )
-    if not items:
-        raise ConfigError("path=[] names no directory; pass a directory or a list of them")
-    out = []
-    for item in items:
-        shown = f"path={item!r}" if item is path else f"path=[..., {item!r}, ...]"
-        if isinstance(item, os.PathLike):
-            item = os.fspath(item)
-        if isinstance(item, bytes):
-            raise ConfigError(f"{shown} is bytes; pass the directory as a str or pathlib.Path (e.g. os.fsdecode(...))")
-        if not isinstance(item, str):
-            raise ConfigError(f"{shown} ({type(item).__name__}) is not a directory; pass a str or pathlib.Path")
-        if not item.strip():
-            raise ConfigError(f"{shown} is empty; pass a directory (the current directory is not assumed), or leave "
-                              "path unset for $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>")
-        if "\0" in item:
-            raise ConfigError(f"{shown} contains a NUL character; pass a real directory")
-        out.append(Path(item).expanduser())
-    return tuple(out), origin
-
-
-def _checked_int(name: str, value: Any, *, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be an int >= {low} ({what})")
-    if value < low:
-        raise ConfigError(f"{name}={value!r} must be an int >= {low} ({what})")
-    return value
-
-
-def make_config(
-    *,
-    path: Any = None,
-    mode: str = "auto",
-    policy: str | Budget = "all",
-    budget: int | str | None = None,
-    min_bytes: int | str = DEFAULT_MIN_BYTES,
-    keep_last: int = 1,
-    prefetch_bytes: int | str | None = None,
-    max_bandwidth: float | str | None = None,
-    on_error: str = "fallback",
-    num_threads: int | None = None,
-    verify: bool = False,
-    write_window: int | str | None = None,
-    origin: Origin = "path",
-) -> OffloadConfig:
-    """Validate :func:`attach`'s keyword arguments (all but ``model`` and ``layers``) without
-    allocating or creating anything; the commands call it before their first child starts.
-    ``origin``: how an explicit ``path`` is named in messages (the commands pass ``"--path"``).
-
-    Raises:
-        ConfigError: the first bad argument, with its value and the fix; a spill directory
-            :func:`~gds_offload.store.check_dir` refuses.
-    """
-    validate_mode(mode)
-    if budget is not None:
-        if policy != "all":
-            raise ConfigError(f"pass either budget={budget!r} or policy={policy!r}, not both")
-        policy = Budget(budget)
-    if not isinstance(policy, Budget) and (not isinstance(policy, str) or policy not in _POLICIES):
-        hint = difflib.get_close_matches(str(policy), _POLICIES, n=1)
-        raise ConfigError(
-            f"policy={policy!r} is unknown; expected one of {', '.join(_POLICIES)} or gds_offload.Budget('40GiB')"
-            + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        )
-    if not isinstance(on_error, str) or on_error not in ("fallback", "raise"):
-        raise ConfigError(f"on_error={on_error!r} is unknown; expected 'fallback' or 'raise'")
-    _checked_int("keep_last", keep_last, low=0, what="layers kept in memory at the end")
-    if num_threads is not None:
-        _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
-    if not isinstance(verify, bool):
-        raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
-    paths, origin = _checked_paths(path, origin)
-    config = OffloadConfig(
-        paths=paths,
-        mode=mode,
-        policy=policy,
-        min_bytes=parse_bytes(min_bytes, name="min_bytes"),
-        keep_last=keep_last,
-        prefetch_bytes=None if prefetch_bytes is None else parse_bytes(prefetch_bytes, name="prefetch_bytes"),
-        max_bandwidth=None if max_bandwidth is None else parse_bandwidth(max_bandwidth),
-        on_error=on_error,  # type: ignore[arg-type]
-        num_threads=num_threads,
-        verify=verify,
-        write_window=None if write_window is None else parse_bytes(write_window, name="write_window"),
-        origin=origin,
-    )
-    if mode != "host":
-        for d in paths:
-            found = check_dir(d, origin=origin)
-            if found.problem:
-                raise ConfigError(found.problem)
-    return config
-
-
-def _make_policy(config: OffloadConfig) -> Policy:
-    if isinstance(config.policy, Budget):
-        return config.policy
-    if config.policy == "adaptive":
-        return Adaptive(keep_last=config.keep_last)
-    return OffloadAll(keep_last=config.keep_last)
 
 
 class _InterruptGuard:

@@ -36,6 +36,10 @@ it (their files stay apart; they share the drive's space and bandwidth).
 Directories this module chooses (the default, ``"auto"``) are created 0700 when
 missing; directories the caller names (templates, ``per_rank``) must exist, as for
 any explicit ``path``. Nothing here imports torch at module import.
+
+Every form of ``path`` in the table resolves in this one module, ``"auto"``'s drive
+ranking included: each answer is a :class:`Placement` under the same per-rank directory
+and creation rules, and the table above stays next to the code that implements it.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from gds_offload.errors import ConfigError
-from gds_offload.store import default_spill_dir, prepare_dir
+from gds_offload.spill_dir import default_spill_dir, prepare_dir
 
 __all__ = [
     "RankEnv",

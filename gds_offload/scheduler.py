@@ -39,8 +39,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gds_offload.entry import Entry, Handle, State, version_root
 from gds_offload.errors import OffloadError, SpillSpaceError
-from gds_offload.integrity import checked_read, checked_write, checksum
 from gds_offload.forwards import Forwards
+from gds_offload.integrity import checked_read, checked_write, checksum
 from gds_offload.profile import ForwardRecord, NoTiming
 from gds_offload.stats import LayerStats, OffloadStats
 

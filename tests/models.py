@@ -12,8 +12,8 @@ import math
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F

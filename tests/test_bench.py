@@ -16,18 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from gds_offload.bench.child import exact_in_process, run_here
 from gds_offload.bench.gpt import GPTConfig, make_gpt, synthetic_batch
 from gds_offload.bench.machine import describe_machine
-from gds_offload.bench.runner import (
-    RunResult,
-    RunSpec,
-    compare_losses,
-    exact_in_process,
-    expand_modes,
-    parse_mode,
-    run_here,
-    run_mode,
-)
+from gds_offload.bench.runner import run_mode
+from gds_offload.bench.spec import RunResult, RunSpec, compare_losses, expand_modes, parse_mode
 from gds_offload.cli import main
 from gds_offload.io.kvikio_engine import kvikio_status
 
@@ -83,7 +76,7 @@ def test_other_engines_in_process(mode: str, tmp_path) -> None:
 
 
 def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:
-    from gds_offload.bench.runner import Unavailable
+    from gds_offload.bench.spec import Unavailable
 
     try:
         got = run_here(RunSpec("adaptive", path=str(tmp_path), **TINY), emit=_quiet)
@@ -94,7 +87,7 @@ def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:
 
 
 def test_save_on_cpu_needs_cuda() -> None:
-    from gds_offload.bench.runner import Unavailable
+    from gds_offload.bench.spec import Unavailable
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: save_on_cpu runs there")
@@ -280,13 +273,14 @@ def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch
 def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
     """A loss difference between processes (kernels, not the offloader) is re-checked in one
     process; the demo passes only if that check is exact."""
-    import gds_offload.bench.runner as runner
+    import gds_offload.bench.child as child
+    import gds_offload.bench.spec as bench_spec
 
-    monkeypatch.setattr(runner, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
+    monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
     rc = main(["demo", *TINY_ARGS, "--mode", "posix", "--path", str(tmp_path)])
     text = capsys.readouterr().out
     assert "bit-identical in one process" in text and rc == 0, text
-    monkeypatch.setattr(runner, "exact_in_process", lambda spec, steps=2: False)
+    monkeypatch.setattr(child, "exact_in_process", lambda spec, steps=2: False)
     rc = main(["demo", *TINY_ARGS, "--mode", "posix", "--path", str(tmp_path)])
     assert rc == 1 and "NOT bit-identical in one process" in capsys.readouterr().out
 
@@ -294,17 +288,18 @@ def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, mo
 def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
     """bench, like demo: an offload mode whose losses differ from keep's process is re-checked in
     one process; the run fails only if that check fails (or the mode cannot be checked)."""
-    import gds_offload.bench.runner as runner
+    import gds_offload.bench.child as child
+    import gds_offload.bench.spec as bench_spec
     from gds_offload.commands.bench import unexplained_differences
 
-    monkeypatch.setattr(runner, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
+    monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
     out = tmp_path / "bench.json"
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
     row = json.loads(out.read_text())["summary"]["modes"]["offload:posix"]
     assert rc == 0 and row["losses_agree"] is False and row["exact_in_process"] is True
     text = "".join(capsys.readouterr())
     assert "checking in one process" in text and "bit-identical in one process" in text
-    monkeypatch.setattr(runner, "exact_in_process", lambda spec, steps=2: False)
+    monkeypatch.setattr(child, "exact_in_process", lambda spec, steps=2: False)
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
     assert rc == 1 and json.loads(out.read_text())["summary"]["modes"]["offload:posix"]["exact_in_process"] is False
     assert "NOT bit-identical in one process" in "".join(capsys.readouterr())

@@ -360,7 +360,7 @@ def _attach_message(path):
 def test_check_refuses_what_attach_refuses(tmp_path):
     """One truth: a world-writable directory without the sticky bit is unusable for gds-check
     too, with attach()'s own words (before: gds-check said compat, attach refused)."""
-    from gds_offload.store import check_dir
+    from gds_offload.spill_dir import check_dir
 
     d = tmp_path / "open"
     d.mkdir()

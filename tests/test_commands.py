@@ -79,12 +79,12 @@ def _wait_for_child(proc: subprocess.Popen[str], marker: str, timeout_s: float =
 
 
 SIGNALLED = {
-    "demo": (["demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix"], "gds_offload.bench.runner"),
+    "demo": (["demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix"], "gds_offload.bench.child"),
     "bench": (["bench", *TINY_ARGS, "--steps", "100000", "--modes", "keep", "--out", "out.json", "--plot", "out.png"],
-              "gds_offload.bench.runner"),
+              "gds_offload.bench.child"),
     "rok": (["rok", "--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "256", "--batches", "2",
              "--placements", "keep", "--steps", "100000", "--warmup", "1", "--out", "rok.json", "--plot", "rok.png"],
-            "gds_offload.bench.runner"),
+            "gds_offload.bench.child"),
     "bench-weights": (["bench-weights", "--tiny", "--modes", "resident", "--repeats", "100000", "--workdir", "{tmp}/wd"],
                       "gds_offload.weights.bench"),
 }
@@ -287,7 +287,8 @@ def test_memory_estimate_matches_a_measured_keep_run() -> None:
     """The estimate the refusal relies on is within a factor of 1.5 of a peak measured in a child
     process (as bench measures it: VmHWM with MALLOC_MMAP_THRESHOLD_ set)."""
     from gds_offload.bench.gpt import GPTConfig, estimate_memory
-    from gds_offload.bench.runner import RunSpec, run_mode
+    from gds_offload.bench.runner import run_mode
+    from gds_offload.bench.spec import RunSpec
 
     spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=8, steps=2, warmup=1)
     measured = run_mode(spec, timeout_s=300).peak_activation_bytes

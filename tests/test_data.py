@@ -318,11 +318,11 @@ def test_shards_command_writes_checks_and_refuses(tmp_path: Path, capsys: pytest
 @requires_dali
 def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gds_offload.bench.report import Section, render_section
-    from gds_offload.bench.runner import RunResult
+    from gds_offload.bench.spec import RunResult
     from gds_offload.data import bench
 
     def fake_demo(s, device, steps, timeout_s):  # the demo model takes minutes on a CPU
-        from gds_offload.bench.runner import RunSpec
+        from gds_offload.bench.spec import RunSpec
 
         spec = RunSpec(mode="keep", seq=s.seq, batch=4, steps=steps, data=str(s.directory))
         return spec, RunResult("keep", "ok", tokens_per_s=1000.0, step_seconds=[0.1, 0.1])
@@ -344,7 +344,9 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
 def test_runner_trains_from_shards(shards: Path) -> None:
     from dataclasses import replace
 
-    from gds_offload.bench.runner import RunSpec, build_workload, run_here
+    from gds_offload.bench.child import run_here
+    from gds_offload.bench.spec import RunSpec
+    from gds_offload.bench.workload import build_workload
     from gds_offload.data.train import StepBatches
 
     spec = RunSpec(mode="keep", layers=1, hidden=32, heads=2, seq=32, vocab=4096, batch=3, steps=2, warmup=1,

@@ -13,10 +13,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -109,6 +109,10 @@ def test_pip_pins_agree_with_pyproject(instructions, pyproject):
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert '".[cu12]"' in runs and "$KVIKIO_SPEC" in runs and "$CUPY_SPEC" in runs
     assert "/whl/cu12" in args["TORCH_INDEX_URL"], "torch must be a CUDA 12 build"
+    # The package's build reads these: each must be in the image before pip installs it.
+    copied = {src for word, rest in instructions if word == "COPY" for src in rest.split()[:-1]}
+    needed = {pyproject["project"]["readme"], *pyproject["project"]["license-files"]}
+    assert needed <= copied, f"COPY {sorted(needed - copied)} before pip install '.[cu12]'"
 
 
 def test_image_wiring(instructions):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import offload_everything, ENGINES, MLP, FusedQKVNet, TinyGPT, assert_same, is_root, make, tmpfs, train_step, settled
+from models import MLP, TinyGPT, assert_same, is_root, make, offload_everything, settled, tmpfs, train_step
 from torch import nn
 
 import gds_offload
@@ -139,9 +139,13 @@ def test_write_completing_inside_engine_write_keeps_the_bytes(tmp_path) -> None:
 # ---------------------------------------------------------------------------- errors
 def test_attach_twice_refused(tmp_path) -> None:
     model = MLP()
-    with offload_everything(model, tmp_path):
+    assert gds_offload.offloader_of(model) is None
+    with offload_everything(model, tmp_path) as off:
+        assert gds_offload.offloader_of(model) is off
         with pytest.raises(ConfigError, match="already attached"):
             offload_everything(model, tmp_path)
+        assert gds_offload.offloader_of(model) is off  # the refused attach changed nothing
+    assert gds_offload.offloader_of(model) is None
 
 
 def test_missing_path_created_private(tmp_path) -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint as cp
-from models import offload_everything, ENGINES, MLP, TinyGPT, assert_same, grads_of, make, train_step, settled
+from models import MLP, TinyGPT, assert_same, grads_of, make, offload_everything, settled, train_step
 from torch import nn
-
-import gds_offload
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "conv", "qkv"])

@@ -201,7 +201,7 @@ def test_budget_keeps_more_when_the_budget_is_larger(gpt, spill_dir) -> None:
 
 def test_impossible_budget_says_by_how_much(gpt, spill_dir) -> None:
     model, batch = gpt
-    with gds_offload.attach(model, path=spill_dir, mode="posix", budget="1MiB") as off:
+    with gds_offload.attach(model, path=spill_dir, mode="posix", budget="1MiB"):
         _step(model, batch)
         with pytest.raises(BudgetError, match=r"cannot be met.*over"):
             _step(model, batch)

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import warnings
@@ -19,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import offload_everything, ENGINES, MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, tmpfs, train_step, settled
+from models import MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, offload_everything, settled, tmpfs, train_step
 from torch import nn
 
-import gds_offload
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.faults import Fault, inject, parse_faults
 

@@ -20,7 +20,8 @@ from conftest import FILE_ENGINE_MODES, fstype, requires_root
 
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io import make_engine
-from gds_offload.store import ALIGN, GROW_BYTES, SpillStore, prepare_dir
+from gds_offload.spill_dir import prepare_dir
+from gds_offload.store import ALIGN, GROW_BYTES, SpillStore
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -140,7 +140,7 @@ def test_trainer_callback_is_exact_and_logs(tmp_path) -> None:
     assert all(e[LOG_PREFIX + "bytes_offloaded"] > 0 for e in logged)
     assert logged[-1][LOG_PREFIX + "steps"] == 2
     # detached at the end: nothing left on the model, final stats kept
-    assert cb.offloader is None and getattr(model, "_gds_offloader", None) is None
+    assert cb.offloader is None and gds_offload.offloader_of(model) is None
     assert cb.final_stats is not None and cb.final_stats.bytes_read + cb.final_stats.bytes_forwarded > 0
 
 

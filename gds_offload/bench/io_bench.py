@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.errors import ConfigError
-from gds_offload.store import mount_of
+from gds_offload.spill_dir import mount_of
 
 __all__ = [
     "FIO_BLOCK_BYTES",
@@ -204,7 +204,7 @@ def page_cache_bytes(fd: int, size: int) -> int:
         if _libc.mincore(addr, size, vec) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mincore failed: {os.strerror(err)}")
-        return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE
+        return int((np.frombuffer(memoryview(vec), dtype=np.uint8) & 1).sum()) * _PAGE
     finally:
         _libc.munmap(addr, size)
 
@@ -459,8 +459,12 @@ def run_bench(
         if progress:
             progress(f"raw O_DIRECT bandwidth of {path} (before)")
         before = raw_direct_bandwidth(path, total_bytes)
+    # None: the engine's default thread count or chunk size.
+    threads_tried: list[int | None] = list(threads) if threads else [None]
+    chunks_tried: list[int | None] = list(chunk_sizes) if chunk_sizes else [None]
     for mode in engines:
-        per_engine = [(None, None)] if mode == "host" else [(t, c) for t in (threads or [None]) for c in (chunk_sizes or [None])]
+        per_engine: list[tuple[int | None, int | None]] = (
+            [(None, None)] if mode == "host" else [(t, c) for t in threads_tried for c in chunks_tried])
         for t, c in per_engine:
             for size in tensor_sizes:
                 if progress:

@@ -126,7 +126,7 @@ def describe_machine(path: str | os.PathLike[str] | None = None, *, root: Path =
     except Exception:  # noqa: BLE001
         pass
     if path is None:
-        from gds_offload.store import default_spill_dir
+        from gds_offload.spill_dir import default_spill_dir
 
         path = default_spill_dir()
     drive = _drive(Path(path), root)

@@ -22,7 +22,7 @@ def plot_results(results: Sequence[Any], out: str | Path, *, title: str = "gds-o
     left out.
 
     Args:
-        results: :class:`~gds_offload.bench.runner.RunResult` objects or their dicts.
+        results: :class:`~gds_offload.bench.spec.RunResult` objects or their dicts.
         out: the PNG to write (parent directories are created).
         title: the figure title.
 

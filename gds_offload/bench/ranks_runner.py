@@ -25,9 +25,12 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from gds_offload.bench.runner import RunResult, RunSpec, Unavailable, Workload, build_workload, child_spec, run_here, run_mode
-from gds_offload.bench.runner import _emit as emit_event
+from gds_offload.bench.child import _emit as emit_event
+from gds_offload.bench.child import child_spec, run_here
+from gds_offload.bench.runner import run_mode
+from gds_offload.bench.spec import RunResult, RunSpec, Unavailable
 from gds_offload.bench.torchrun import torchrun_command
+from gds_offload.bench.workload import Workload, build_workload
 
 __all__ = ["RankedResult", "combine_ranks", "ddp_workload", "run_ranked", "main"]
 

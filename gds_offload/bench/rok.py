@@ -4,7 +4,7 @@ For each micro-batch size and each placement (``keep``: everything in memory;
 ``recompute``: full layer-wise activation checkpointing; ``all``: offload every
 eligible tensor; ``adaptive``: offload what the drive hides), one child process
 trains the model and measures the median step time and the peak activation memory
-(see :mod:`gds_offload.bench.runner`). The points form the ROK curve: throughput
+(see :mod:`gds_offload.bench.child`). The points form the ROK curve: throughput
 against activation memory. :func:`recommend` answers "with N bytes of activation
 memory, which point gives the most tokens/s?".
 """
@@ -14,11 +14,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from gds_offload.bench.runner import RunResult, RunSpec, run_mode
+from gds_offload.bench.runner import run_mode
+from gds_offload.bench.spec import RunResult, RunSpec
 
-__all__ = ["PLACEMENTS", "RokPoint", "sweep", "recommend", "frontier", "findings", "plot"]
+__all__ = ["PLACEMENTS", "Measured", "RokPoint", "sweep", "recommend", "frontier", "findings", "plot"]
 
 #: Placement name -> (runner mode, attach policy).
 PLACEMENTS: dict[str, tuple[str, str]] = {
@@ -27,6 +28,13 @@ PLACEMENTS: dict[str, tuple[str, str]] = {
     "all": ("offload", "all"),
     "adaptive": ("adaptive", "adaptive"),
 }
+
+
+class Measured(NamedTuple):
+    """What a point that ran measured: its fields of :class:`RokPoint`, no longer optional."""
+
+    tokens_per_s: float
+    peak_activation_bytes: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,17 @@ class RokPoint:
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.tokens_per_s is not None and self.peak_activation_bytes is not None
+
+    @property
+    def measured(self) -> Measured:
+        """``tokens_per_s`` and ``peak_activation_bytes`` of a point that ran (:attr:`ok`).
+
+        Raises:
+            ValueError: the point failed and measured nothing.
+        """
+        if not self.ok or self.tokens_per_s is None or self.peak_activation_bytes is None:
+            raise ValueError(f"batch {self.batch} {self.placement} measured nothing ({self.status})")
+        return Measured(self.tokens_per_s, self.peak_activation_bytes)
 
 
 def sweep(
@@ -81,16 +100,16 @@ def sweep(
 
 def recommend(points: Sequence[RokPoint], memory_bytes: int) -> RokPoint | None:
     """The point with the most tokens/s whose peak activation memory fits ``memory_bytes``."""
-    fitting = [p for p in points if p.ok and p.peak_activation_bytes <= memory_bytes]  # type: ignore[operator]
-    return max(fitting, key=lambda p: p.tokens_per_s or 0.0, default=None)
+    fitting = [p for p in points if p.ok and p.measured.peak_activation_bytes <= memory_bytes]
+    return max(fitting, key=lambda p: p.measured.tokens_per_s, default=None)
 
 
 def frontier(points: Sequence[RokPoint]) -> list[RokPoint]:
     """The Pareto frontier: points no other point beats on both memory and throughput, by memory."""
-    ok = sorted((p for p in points if p.ok), key=lambda p: (p.peak_activation_bytes, -(p.tokens_per_s or 0)))
+    ok = sorted((p for p in points if p.ok), key=lambda p: (p.measured.peak_activation_bytes, -p.measured.tokens_per_s))
     out: list[RokPoint] = []
     for p in ok:
-        if not out or (p.tokens_per_s or 0) > (out[-1].tokens_per_s or 0):
+        if not out or p.measured.tokens_per_s > out[-1].measured.tokens_per_s:
             out.append(p)
     return out
 
@@ -106,12 +125,13 @@ def findings(points: Sequence[RokPoint]) -> dict[str, Any]:
             off = by.get((batch, name))
             if off is None:
                 continue
+            tps, peak = off.measured
             if keep is not None:
-                row[f"{name}_throughput_vs_keep"] = off.tokens_per_s / keep.tokens_per_s  # type: ignore[operator]
-                row[f"{name}_memory_vs_keep"] = off.peak_activation_bytes / max(keep.peak_activation_bytes, 1)  # type: ignore[operator]
+                row[f"{name}_throughput_vs_keep"] = tps / keep.measured.tokens_per_s
+                row[f"{name}_memory_vs_keep"] = peak / max(keep.measured.peak_activation_bytes, 1)
             if rec is not None:
-                row[f"{name}_memory_vs_recompute"] = off.peak_activation_bytes / max(rec.peak_activation_bytes, 1)  # type: ignore[operator]
-                row[f"{name}_throughput_vs_recompute"] = off.tokens_per_s / rec.tokens_per_s  # type: ignore[operator]
+                row[f"{name}_memory_vs_recompute"] = peak / max(rec.measured.peak_activation_bytes, 1)
+                row[f"{name}_throughput_vs_recompute"] = tps / rec.measured.tokens_per_s
         out[str(batch)] = row
     return out
 
@@ -129,8 +149,8 @@ def plot(points: Sequence[RokPoint], out: Path, *, title: str, memory_bytes: int
         pts = sorted((p for p in points if p.ok and p.placement == placement), key=lambda p: p.batch)
         if not pts:
             continue
-        xs = [p.peak_activation_bytes / 2**20 for p in pts]  # type: ignore[operator]
-        ys = [p.tokens_per_s for p in pts]
+        xs = [p.measured.peak_activation_bytes / 2**20 for p in pts]
+        ys = [p.measured.tokens_per_s for p in pts]
         ax.plot(xs, ys, marker=markers.get(placement, "x"), label=placement)
         for p, x, y in zip(pts, xs, ys):
             ax.annotate(f"b{p.batch}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -138,7 +158,7 @@ def plot(points: Sequence[RokPoint], out: Path, *, title: str, memory_bytes: int
         ax.axvline(memory_bytes / 2**20, color="grey", linestyle="--", linewidth=1)
         best = recommend(points, memory_bytes)
         if best is not None:
-            ax.scatter([best.peak_activation_bytes / 2**20], [best.tokens_per_s], s=160, facecolors="none", edgecolors="red")  # type: ignore[operator]
+            ax.scatter([best.measured.peak_activation_bytes / 2**20], [best.measured.tokens_per_s], s=160, facecolors="none", edgecolors="red")
     ax.set_xlabel("peak activation memory (MiB)")
     ax.set_ylabel("tokens / s")
     ax.set_title(title, fontsize=9)

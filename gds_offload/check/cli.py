@@ -16,7 +16,7 @@ from gds_offload.check.collect import NodeReport, collect_node
 from gds_offload.check.findings import CheckResult
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
 from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
-from gds_offload.store import spill_dir_origin
+from gds_offload.spill_dir import Origin, spill_dir_origin
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 
@@ -232,6 +232,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return show_ranks(args.path, args.ranks, json_out=args.json, root=args.root)
     env = os.environ
+    origin: Origin
     if args.path:
         paths, origin = [Path(p) for p in args.path], "--path"
     else:

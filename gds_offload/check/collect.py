@@ -28,7 +28,7 @@ from gds_offload.check.node import (
 )
 from gds_offload.check.paths import PathProbe, probe_path, statvfs_space
 from gds_offload.check.topology import Affinity, GpuTopology, gpu_topology, pcie_affinity
-from gds_offload.store import Origin
+from gds_offload.spill_dir import Origin
 
 __all__ = ["NodeReport", "Probes", "DEFAULT_PROBES", "RELEVANT_ENV", "collect_node"]
 
@@ -129,7 +129,7 @@ def collect_node(
         timeout_s: limit for the KvikIO child.
         probes: boundary functions (replace them in tests).
         origin: where ``paths`` came from (``--path``, ``GDS_OFFLOAD_DIR``, ``default``): the
-            name the directory verdicts use (:func:`gds_offload.store.check_dir`).
+            name the directory verdicts use (:func:`gds_offload.spill_dir.check_dir`).
 
     Returns:
         The facts, ready for :func:`~gds_offload.check.verdict.decide`.
@@ -145,10 +145,12 @@ def collect_node(
     config = _guard(lambda: read_cufile_config(root, env),
                     lambda e: CufileConfig("/etc/cufile.json", False, error=str(e)))
     container = _guard(lambda: probe_container(root), lambda e: ContainerProbe(False, f"probe failed: {e}"))
-    path_probes = tuple(
-        _guard(lambda p=p: probe_path(Path(p), root=root, disk_space=probes.disk_space, origin=origin),
-               lambda e, p=p: PathProbe(str(p), error=f"path probe failed: {e}"))
-        for p in paths)
+
+    def path_probe(p: Path) -> PathProbe:
+        return _guard(lambda: probe_path(Path(p), root=root, disk_space=probes.disk_space, origin=origin),
+                      lambda e: PathProbe(str(p), error=f"path probe failed: {e}"))
+
+    path_probes = tuple(path_probe(p) for p in paths)
     topology = tuple(gpu_topology(g, root) for g in gpu.gpus)
     affinities = tuple(pcie_affinity(t, p) for t in topology for p in path_probes if p.is_dir)
     return NodeReport(

@@ -5,12 +5,15 @@ Each rule reads the collected facts and returns a :class:`Finding`: a
 verdict line it forces (``blocks="usable"``: the offloader cannot work at the path;
 ``blocks="gds"``: only the compat path works). The rules are listed in blocking order;
 :mod:`~gds_offload.check.verdict` picks the first blocker.
+
+All of ``gds-check``'s rules stay in this one module (node, spill directory, then driver and
+affinity), so the blocking order the verdict depends on reads from top to bottom.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 from gds_offload.check.collect import NodeReport
 from gds_offload.check.paths import PathProbe
@@ -79,7 +82,7 @@ class Finding:
 _COMPAT_STILL_WORKS = "offloading still works through the compat path"
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
@@ -290,7 +293,7 @@ def path_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     """Findings for one spill directory, in blocking order."""
     where = path.path
     fix_path = "pass --path (or set GDS_OFFLOAD_DIR) to a writable directory on an NVMe ext4/xfs filesystem"
-    if path.problem:  # what attach() would refuse it with: the same words (gds_offload.store.check_dir)
+    if path.problem:  # what attach() would refuse it with: the same words (gds_offload.spill_dir.check_dir)
         fix = path.fix or fix_path
         return [Finding(CheckResult("path", "fail", path.problem, fix), "usable", path.problem, fix)]
     if not path.exists and not path.would_create:
@@ -392,21 +395,28 @@ def _device_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     return [Finding(CheckResult("block-device", "ok", f"{where} (not NVMe; the filesystem decides)"))]
 
 
+def _listed(settings: Mapping[str, object], key: str) -> list[str]:
+    """A cufile.json denylist as strings; cuFile reads only arrays there, so anything else lists nothing."""
+    value = settings.get(key)
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
 def _denylist_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
     settings = report.cufile_config.settings
     hits = []
-    if path.fstype and path.fstype in (settings.get("denylist.filesystems") or []):
+    if path.fstype and path.fstype in _listed(settings, "denylist.filesystems"):
         hits.append(f"denylist.filesystems lists {path.fstype}")
-    if path.mountpoint and path.mountpoint in (settings.get("denylist.mounts") or []):
+    if path.mountpoint and path.mountpoint in _listed(settings, "denylist.mounts"):
         hits.append(f"denylist.mounts lists {path.mountpoint}")
     dev = path.device
-    if dev and dev.disk and any(dev.disk in str(d) for d in settings.get("denylist.devices") or []):
+    if dev and dev.disk and any(dev.disk in d for d in _listed(settings, "denylist.devices")):
         hits.append(f"denylist.devices lists {dev.disk}")
     if not hits:
         return []
     fix = f"remove it from the denylist in {report.cufile_config.path}"
     return [Finding(CheckResult("cufile.json", "warn", "; ".join(hits), fix), "gds",
                     f"{report.cufile_config.path} {hits[0]}", fix)]
+
 
 # --------------------------------------------------------------------------------------
 # cuFile driver, affinity and recommendation

@@ -1,7 +1,7 @@
 """Spill-directory probes: mounts, the block device behind a path, O_DIRECT, free space.
 
 :func:`probe_path` judges the directory exactly as ``attach()`` does
-(:func:`gds_offload.store.check_dir`: one function, one truth), then tries a write and an
+(:func:`gds_offload.spill_dir.check_dir`: one function, one truth), then tries a write and an
 aligned ``O_DIRECT`` write in it, reads its mount from ``<root>/proc/mounts`` and resolves
 its ``st_dev`` through ``<root>/sys/dev/block`` to a disk (or the member disks of an md/dm
 device), its PCI path and NUMA node. It changes nothing: a missing directory is reported as
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gds_offload.check._common import Reader, int_or_none, sysfs_pci_dir, sysfs_pci_path
-from gds_offload.store import Origin, check_dir, default_spill_dir  # one definition each, shared with attach()
+from gds_offload.spill_dir import Origin, check_dir, default_spill_dir  # one definition each, shared with attach()
 
 __all__ = [
     "MountEntry",
@@ -80,7 +80,7 @@ class PathProbe:
         path: the directory as given (absolute).
         exists: it exists.
         would_create: it is missing and ``attach()`` would create it (0700) under ``probed``.
-        problem: what ``attach()`` would refuse it with (:func:`gds_offload.store.check_dir`), or "".
+        problem: what ``attach()`` would refuse it with (:func:`gds_offload.spill_dir.check_dir`), or "".
         fix: what to do about ``problem``.
         probed: the directory the facts below describe: ``path``, or the existing ancestor
             a missing one would be created under.
@@ -305,7 +305,7 @@ def probe_path(
         root: root of the ``/proc`` and ``/sys`` trees.
         disk_space: ``path -> (free_bytes, total_bytes)``; ``statvfs`` by default.
         origin: where the path came from (``--path``, ``GDS_OFFLOAD_DIR``, ``default``), as
-            :func:`gds_offload.store.check_dir` names it in its verdict.
+            :func:`gds_offload.spill_dir.check_dir` names it in its verdict.
 
     Returns:
         The facts; ``problem`` is what ``attach()`` would refuse, ``error`` the first problem met.

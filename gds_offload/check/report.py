@@ -17,6 +17,8 @@ from gds_offload.check.topology import best_affinities
 from gds_offload.check.verdict import Verdict
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from rich.console import Console
 
 __all__ = [
@@ -393,19 +395,16 @@ class BenchProgress:
     """
 
     def __init__(self, console: "Console", total: int) -> None:
-        self._console = console
-        self._total = total
-        self._progress = None
-        self._task = None
-
-    def __enter__(self) -> "BenchProgress":
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+        # Built here, drawn from __enter__ on: a task added before the display starts is shown once it does.
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                  console=self._console, transient=False)
+                                  console=console, transient=False)
+        self._task = self._progress.add_task("bandwidth", total=total)
+
+    def __enter__(self) -> "BenchProgress":
         self._progress.__enter__()
-        self._task = self._progress.add_task("bandwidth", total=self._total)
         return self
 
     def start(self, label: str) -> None:
@@ -416,6 +415,6 @@ class BenchProgress:
         """Mark one measurement done."""
         self._progress.advance(self._task)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._progress.update(self._task, description="bandwidth measured")
-        self._progress.__exit__(*exc)
+        self._progress.__exit__(exc_type, exc, tb)

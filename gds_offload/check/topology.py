@@ -34,6 +34,10 @@ class GpuTopology:
     numa_node: int | None = None
 
 
+# nvidia-smi topo -m's words for a PCIe link, nearest first; see Affinity.
+Link = Literal["PIX", "PXB", "PHB", "NODE", "SYS", "unknown"]
+
+
 @dataclass(frozen=True)
 class Affinity:
     """How close a GPU is to the drive behind a spill directory.
@@ -56,7 +60,7 @@ class Affinity:
     gpu_index: int
     path: str
     disk: str
-    link: Literal["PIX", "PXB", "PHB", "NODE", "SYS", "unknown"]
+    link: Link
     hops: int | None = None
     gpu_numa: int | None = None
     drive_numa: int | None = None
@@ -100,6 +104,7 @@ def pcie_affinity(gpu: GpuTopology, path: PathProbe) -> Affinity:
     device = path.device
     disk = device.disk if device else ""
     drive_numa = device.numa_node if device else None
+    link: Link
     if device is None or not device.pci_path or not gpu.pci_path:
         link = "unknown"
         if gpu.numa_node is not None and drive_numa is not None:

@@ -27,7 +27,7 @@ from gds_offload.check.findings import (
     path_findings,
     recommendation_findings,
 )
-from gds_offload.store import Origin
+from gds_offload.spill_dir import Origin
 
 __all__ = ["Mode", "Verdict", "decide", "report_checks", "worst_verdict", "node_verdict"]
 

@@ -18,7 +18,7 @@ HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench import positive_int
+    from gds_offload.commands.run_args import positive_int
 
     p.add_argument("--path", type=Path, default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
     p.add_argument("--size", default="2GiB", help="bytes written then read per measurement (default: 2GiB)")
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.io_bench import run_bench
     from gds_offload.errors import ConfigError
     from gds_offload.io import validate_mode
-    from gds_offload.store import prepare_dir, spill_dir_origin
+    from gds_offload.spill_dir import prepare_dir, spill_dir_origin
     from gds_offload.units import parse_bytes
 
     err = Console(stderr=True)

@@ -68,7 +68,7 @@ def check_ranked(base: Any, modes: list[str], nproc: int) -> None:
     """
     import torch
 
-    from gds_offload.commands.bench import check_fits, check_runs
+    from gds_offload.commands.run_args import check_fits, check_runs
     from gds_offload.errors import ConfigError
     from gds_offload.ranks import AUTO, node_placements
 
@@ -199,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     """``gds-offload bench`` with ``--nproc`` above 1."""
     from rich.console import Console
 
-    from gds_offload.commands.bench import base_spec, check_in_process, resolve_device, results_doc, select_modes, unexplained_differences
+    from gds_offload.commands.bench import check_in_process, results_doc, select_modes, unexplained_differences
+    from gds_offload.commands.run_args import base_spec, resolve_device
     from gds_offload.errors import ConfigError
 
     nproc = args.nproc

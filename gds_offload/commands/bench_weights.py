@@ -36,7 +36,7 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench import positive_int
+    from gds_offload.commands.run_args import positive_int
 
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model, short prompt: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")

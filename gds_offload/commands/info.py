@@ -22,8 +22,10 @@ def collect(path: Path | None) -> dict[str, object]:
     from gds_offload import __version__
     from gds_offload.io import choose_engine, make_engine
     from gds_offload.io.kvikio_engine import kvikio_status
-    from gds_offload.store import SpillStore, spill_dir_origin
+    from gds_offload.spill_dir import Origin, spill_dir_origin
+    from gds_offload.store import SpillStore
 
+    origin: Origin
     path, origin = (path, "--path") if path else spill_dir_origin()
     choice = choose_engine("auto", path)
     engine = make_engine(choice.engine, strict=choice.strict)

@@ -21,7 +21,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench import positive_int
+    from gds_offload.commands.run_args import positive_int
 
     p.add_argument("--model", default="gpt", help="gpt (built-in), llama, gpt2, or pkg.module:factory")
     p.add_argument("--layers", type=positive_int, default=6)
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     from gds_offload.bench import rok
     from gds_offload.bench.gpt import GPTConfig
-    from gds_offload.bench.runner import RunSpec
-    from gds_offload.commands.bench import check_runs, resolve_device
+    from gds_offload.bench.spec import RunSpec
+    from gds_offload.commands.run_args import check_runs, resolve_device
     from gds_offload.errors import ConfigError
     from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
         def progress(pt: rok.RokPoint) -> None:
             done[0] += 1
-            shown = f"{pt.tokens_per_s:.0f} tok/s, {format_bytes(pt.peak_activation_bytes)}" if pt.ok else pt.status
+            shown = f"{pt.measured.tokens_per_s:.0f} tok/s, {format_bytes(pt.measured.peak_activation_bytes)}" if pt.ok else pt.status
             console.log(f"batch {pt.batch:>3} {pt.placement:<9} {shown}")
             status.update(f"ROK sweep: {done[0]}/{total} points")
 
@@ -99,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(
             str(pt.batch), pt.placement, f"{pt.tokens_per_s:.0f}" if pt.ok else "-",
             f"{pt.median_step_s:.3f}" if pt.ok else "-",
-            format_bytes(pt.peak_activation_bytes) if pt.ok else "-", pt.status if pt.ok else f"{pt.status}: {pt.error[:60]}",
+            format_bytes(pt.measured.peak_activation_bytes) if pt.ok else "-", pt.status if pt.ok else f"{pt.status}: {pt.error[:60]}",
         )
     console.print(table)
 
-    limits = [memory] if memory else sorted({p.peak_activation_bytes for p in points if p.ok and p.placement == "keep"})
+    limits = [memory] if memory else sorted({p.measured.peak_activation_bytes for p in points if p.ok and p.placement == "keep"})
     answers = []
     for limit in limits:
         best = rok.recommend(points, limit)
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             console.print(
                 f"With {format_bytes(limit)} of activation memory: [bold]batch {best.batch}, {best.placement}[/bold] "
-                f"({best.tokens_per_s:.0f} tokens/s, peak {format_bytes(best.peak_activation_bytes)})"
+                f"({best.measured.tokens_per_s:.0f} tokens/s, peak {format_bytes(best.measured.peak_activation_bytes)})"
             )
     facts = rok.findings(points)
     document = {

@@ -105,7 +105,8 @@ def time_batches(batches: Iterable[dict[str, torch.Tensor]], *, device: torch.de
 
 def _demo_step(shards: ShardSet, device: str, steps: int, timeout_s: float) -> tuple[Any, Any]:
     from gds_offload.bench.gpt import demo_preset
-    from gds_offload.bench.runner import RunSpec, run_mode
+    from gds_offload.bench.runner import run_mode
+    from gds_offload.bench.spec import RunSpec
 
     cfg, batch = demo_preset(device)
     vocab = max(cfg.vocab, shards.vocab or 0)

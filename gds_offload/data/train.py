@@ -72,7 +72,7 @@ class StepBatches:
 
 
 def with_data(workload: Any, spec: Any) -> Any:
-    """``workload`` (a runner ``Workload``) with its batches read from ``spec.data``."""
+    """``workload`` (a :class:`~gds_offload.bench.workload.Workload`) with its batches read from ``spec.data``."""
     workload.batch_fn = StepBatches(spec.data, model=spec.model, batch=spec.batch, seq=spec.seq, vocab=spec.vocab,
                                     seed=spec.seed, device=spec.device)
     return workload

@@ -90,6 +90,7 @@ class PosixEngine(PageSpanEngine):
         span = self._write_span(src, slot)  # zero-copy: see gds_offload.io.pages
         if span is None:
             return self._split("write", src.numel(), src.numel(), ready, slot, lambda lo, n: self._write_chunk(src, lo, n, slot))
+
         def write_span(lo: int, n: int, _src: torch.Tensor = src) -> None:  # _src: a span does not keep its memory alive
             self._pwrite_all(fd, span[lo : lo + n], base + lo)
 

@@ -197,7 +197,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     cached = cached_bytes(files)
     fraction = sum(c for c, _ in cached.values()) / max(1, sum(n for _, n in cached.values()))
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see bench/runner.py)
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see gds_offload/bench/runner.py)
     env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # every mode: large frees go back to the kernel (see the module doc)
     cap = MemoryCap(memory_limit) if memory_limit else None
     load_before = os.getloadavg()[0]

@@ -72,7 +72,8 @@ def load_mode(spec: BenchSpec) -> tuple[Any, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint)
         if spec.device == "cpu":
             _own_memory(model)
-        return model.to(spec.device), None
+        # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which types it as the unbound function.
+        return model.to(spec.device), None  # type: ignore[arg-type]
     if spec.mode in ("drive", "host"):
         cfg = transformers.AutoConfig.from_pretrained(spec.store)
         dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, cfg.dtype or "float32")

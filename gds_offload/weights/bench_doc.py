@@ -47,7 +47,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     by = _by(report["summary"])
     raw = max((r["bytes_per_s"] for r in report.get("raw_read", [])), default=None)
     drive1 = by.get(("drive", 1), {})
-    out = [{"target": "decode batch 1: drive read rate / raw O_DIRECT rate", "need": 0.9, "value": _ratio(drive1.get("decode_read_bytes_per_s"), raw)}]
+    out: list[dict[str, Any]] = [{"target": "decode batch 1: drive read rate / raw O_DIRECT rate", "need": 0.9, "value": _ratio(drive1.get("decode_read_bytes_per_s"), raw)}]
     wanted = [(1, "decode", 1.0)] + [(b, phase, 2.0) for b in sorted(b for m, b in by if m == "drive" and b >= 8) for phase in ("prefill", "decode")]
     slowdown = (report.get("interference") or {}).get("slowdown")
     for batch, phase, need in wanted:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ class Binding:
     def place(self, name: str, tensor: torch.Tensor | nn.Parameter) -> None:
         """Put ``tensor`` (as one shared ``nn.Parameter`` for parameters) in every place of ``name``."""
         for t in self.targets[name]:
-            (t.module._parameters if t.is_param else t.module._buffers)[t.leaf] = tensor
+            _slots(t)[t.leaf] = tensor
 
     def as_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as it should be placed for ``name``: an ``nn.Parameter`` if ``name`` is a parameter."""
@@ -61,7 +62,16 @@ class Binding:
     def restore(self, name: str) -> None:
         """Put the placeholders back in every place of ``name``."""
         for t in self.targets[name]:
-            (t.module._parameters if t.is_param else t.module._buffers)[t.leaf] = t.placeholder
+            _slots(t)[t.leaf] = t.placeholder
+
+
+def _slots(t: Target) -> dict[str, Any]:
+    """The module dict that holds ``t``: its ``_parameters`` or its ``_buffers``.
+
+    Written directly, not through ``Module.__setattr__``: the name is already registered there, and
+    what goes in is whatever :meth:`Binding.as_parameter` made for it (a Parameter or a Tensor), hence ``Any``.
+    """
+    return t.module._parameters if t.is_param else t.module._buffers
 
 
 def view_of(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
@@ -166,18 +176,17 @@ def rebuild_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
         ConfigError: a buffer could not be rebuilt (still NaN, not a float, or no ``_init_weights``);
             build the skeleton with ``accelerate.init_empty_weights()``, which keeps buffers real.
     """
-    found: list[tuple[str, nn.Module, str]] = []
+    found: list[tuple[str, nn.Module, str, torch.Tensor]] = []
     for mod_name, mod in model.named_modules():
         for leaf, b in mod._buffers.items():
             if b is not None and b.is_meta and leaf in mod._non_persistent_buffers_set:
-                found.append((f"{mod_name}.{leaf}" if mod_name else leaf, mod, leaf))
+                found.append((f"{mod_name}.{leaf}" if mod_name else leaf, mod, leaf, b))
     if not found:
         return []
     init = getattr(model, "_init_weights", None)
-    owners = {id(m): m for _, m, _ in found}
+    owners = {id(m): m for _, m, _, _ in found}
     failed = []
-    for name, mod, leaf in found:
-        b = mod._buffers[leaf]
+    for name, mod, leaf, b in found:
         fill = math.nan if b.dtype.is_floating_point else 0
         mod._buffers[leaf] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
         if not b.dtype.is_floating_point or init is None or next(mod.parameters(recurse=False), None) is not None:
@@ -185,10 +194,11 @@ def rebuild_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
     if not failed:
         for mod in owners.values():
             init(mod)  # type: ignore[misc]
-        failed = [n for n, m, leaf in found if torch.isnan(m._buffers[leaf]).any()]
+        # _init_weights refilled the buffer it knows; one still NaN (or one it removed) it did not rebuild.
+        failed = [n for n, m, leaf, _ in found if (buf := m._buffers[leaf]) is None or torch.isnan(buf).any()]
     if failed:
         raise ConfigError(
             f"buffers {', '.join(failed)} are on the meta device and not in the store, and could not be rebuilt; "
             f"build the model skeleton with accelerate.init_empty_weights() (it keeps buffers real) instead of torch.device('meta')"
         )
-    return [n for n, _, _ in found]
+    return [n for n, _, _, _ in found]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class Checkpoint:
     config_path: Path | None
 
 
-def find_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
+def find_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of ``model.safetensors``, or of the shards ``model.safetensors.index.json`` lists.
 
     Raises:

@@ -259,8 +259,9 @@ def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, boo
             source = {t.name: handles[t.file] for t in ckpt.tensors}
             for i, g in enumerate(manifest.groups):
                 buf = buffers[i % 2]
-                if in_flight[i % 2] is not None:
-                    in_flight[i % 2].wait()  # the buffer's previous group is on the drive
+                previous = in_flight[i % 2]
+                if previous is not None:
+                    previous.wait()  # the buffer's previous group is on the drive
                 buf[: g.padded_nbytes].zero_()
                 for t in members.get(g.name, []):
                     _pack(source[t.name], t, buf, g.offset)

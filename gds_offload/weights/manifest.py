@@ -212,11 +212,11 @@ class Manifest:
             if t.name in names:
                 raise bad(f"tensor {t.name} is listed twice")
             names.add(t.name)
-            g = groups.get(t.group)
-            if g is None:
+            group = groups.get(t.group)
+            if group is None:
                 raise bad(f"tensor {t.name} names group {t.group!r}, which does not exist")
-            if t.offset % self.tensor_align or not g.offset <= t.offset <= t.offset + t.nbytes <= g.offset + g.nbytes:
-                raise bad(f"tensor {t.name} ({t.nbytes} bytes at {t.offset}) is misaligned or outside group {g.name}")
+            if t.offset % self.tensor_align or not group.offset <= t.offset <= t.offset + t.nbytes <= group.offset + group.nbytes:
+                raise bad(f"tensor {t.name} ({t.nbytes} bytes at {t.offset}) is misaligned or outside group {group.name}")
 
 
 def read_manifest(store_dir: str | os.PathLike[str]) -> Manifest:
@@ -288,7 +288,8 @@ def check_config(model: Any, manifest: Manifest, store: Path) -> None:
     cfg = getattr(model, "config", None)
     if manifest.config_sha256 is None or cfg is None or not hasattr(cfg, "to_dict"):
         return
-    if config_fingerprint(cfg) == manifest.config_sha256:
+    ours_sha = config_fingerprint(cfg)
+    if ours_sha == manifest.config_sha256:
         return
     ours, theirs = canonical_config(cfg) or {}, {}
     saved = store / "config.json"
@@ -297,7 +298,7 @@ def check_config(model: Any, manifest: Manifest, store: Path) -> None:
     diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
     shown = ", ".join(f"{k}: model {ours.get(k)!r}, store {theirs.get(k)!r}" for k in diff[:6]) or "see the two configs"
     raise ConfigMismatchError(
-        f"the model's config (sha256 {config_fingerprint(cfg)[:12]}...) is not the one the weight store at {store} was converted "
+        f"the model's config (sha256 {str(ours_sha)[:12]}...) is not the one the weight store at {store} was converted "
         f"from (sha256 {manifest.config_sha256[:12]}...): {shown}. Build the model from {saved} "
         f"(AutoConfig.from_pretrained({str(store)!r})), or convert this model's checkpoint"
     )

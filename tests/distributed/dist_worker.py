@@ -14,7 +14,6 @@ fault in an engine) still leaves the configurations that finished.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path

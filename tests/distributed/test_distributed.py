@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 from conftest import real_disk_base
+
 from gds_offload.io.kvikio_engine import kvikio_status
 
 WORKER = Path(__file__).with_name("dist_worker.py")

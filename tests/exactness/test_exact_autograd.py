@@ -16,10 +16,11 @@ import threading
 
 import pytest
 import torch
-from .exact_harness import Run, assert_io, assert_records_equal, loss_step, record
 from torch import nn
 
 import gds_offload
+
+from .exact_harness import Run, assert_io, assert_records_equal, loss_step, record
 
 WIDTH = 16
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .exact_harness import Run
 from torch import nn
+
+from .exact_harness import Run
 
 WIDTH = 12
 INPLACE = (RuntimeError, "modified by an inplace operation")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from .exact_harness import Run, loss_step
 from torch import nn
+
+from .exact_harness import Run, loss_step
 
 WIDTH = 16
 
