@@ -159,7 +159,7 @@ def test_compare_losses_flags_a_difference() -> None:
 def assert_exact(summary: dict) -> None:
     """Every offload mode's losses and weights equal keep's: across processes, or, where torch's
     kernels gave other last bits in another process (it happens with or without the offloader,
-    see README "Cross-process bit-identity"), in the bench's own check in one process."""
+    see gds_offload/bench/runner.py's module doc), in the bench's own check in one process."""
     from gds_offload.commands.bench import unexplained_differences
 
     assert unexplained_differences(summary) == [], summary
