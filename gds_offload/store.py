@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gds_offload.errors import ConfigError, SpillSpaceError
-from gds_offload.spill_dir import Origin, prepare_dir
+from gds_offload.spill_dir import Origin, mount_of, prepare_dir
 
 __all__ = [
     "ALIGN",
@@ -318,13 +318,6 @@ def _open_named(d: Path, flags: int) -> int:
 
 
 def _fstype(d: Path) -> str:
-    best, fstype = "", "unknown filesystem"
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) >= 3 and str(d.resolve()).startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, fstype = parts[1], parts[2]
-    except OSError:
-        pass
-    return fstype
+    """The filesystem type under ``d``, for the buffered-I/O note."""
+    fstype = mount_of(d)[2]
+    return "unknown filesystem" if fstype == "unknown" else fstype

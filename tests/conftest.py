@@ -30,14 +30,9 @@ _NOT_A_DISK = {"tmpfs", "ramfs", "overlay", "squashfs", "devtmpfs", "nfs", "nfs4
 
 def fstype(path: Path) -> str:
     """The filesystem type of the mount holding ``path`` (from /proc/mounts)."""
-    target, best, kind = str(path.resolve()), "", "unknown"
-    with open("/proc/mounts") as fh:
-        for line in fh:
-            parts = line.split()
-            if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")):
-                if len(parts[1]) >= len(best):
-                    best, kind = parts[1], parts[2]
-    return kind
+    from gds_offload.spill_dir import mount_of
+
+    return mount_of(path)[2]
 
 
 def real_disk_base() -> Path:

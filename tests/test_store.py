@@ -343,3 +343,15 @@ def test_killed_process_leaves_no_files_and_frees_the_space(spill_dir: Path) -> 
     after = _free_bytes(spill_dir)
     assert before - during >= spill_bytes // 2, f"the child's writes did not use disk space ({before=} {during=})"
     assert after - during >= spill_bytes * 3 // 4, f"space not freed after the crash ({before=} {during=} {after=})"
+
+
+def test_mount_of_matches_whole_path_components(mount: Callable[[str, str], Path]) -> None:
+    """A directory whose name extends a mount point's (``.../tmpfs-0x`` beside a tmpfs at
+    ``.../tmpfs-0``, like ``/mnt/nvme10`` beside ``/mnt/nvme1``) is not on that mount."""
+    from gds_offload.spill_dir import mount_of
+
+    mounted = mount("tmpfs", "size=1m,mode=0700")
+    beside = mounted.with_name(mounted.name + "x")
+    beside.mkdir(mode=0o700)
+    assert mount_of(mounted / "a")[1:] == (str(mounted.resolve()), "tmpfs")
+    assert mount_of(beside)[1] != str(mounted.resolve()) and mount_of(beside)[2] != "tmpfs"
