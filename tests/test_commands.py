@@ -312,7 +312,7 @@ def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: N
 def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> None:
     """The raw fio/dd pass writes an unnamed file (O_TMPFILE, or unlinked at once): nothing has a
     name while it runs, so a kill -9 leaves nothing behind (before: a 64 MiB named file)."""
-    from gds_offload.bench import io_bench
+    from gds_offload.bench import raw_io
 
     seen: list[tuple[list[str], list[str]]] = []
     real_run = subprocess.run
@@ -321,9 +321,9 @@ def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> Non
         seen.append((list(cmd), os.listdir(spill_dir)))
         return real_run(cmd, *a, **kw)
 
-    monkeypatch.setattr(io_bench.subprocess, "run", watching)
+    monkeypatch.setattr(raw_io.subprocess, "run", watching)
     try:
-        raw = io_bench.raw_direct_bandwidth(spill_dir, 1 << 20)
+        raw = raw_io.raw_direct_bandwidth(spill_dir, 1 << 20)
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"the raw tool cannot run O_DIRECT here: {exc.stderr}")
     assert raw["write_gbps"] > 0 and raw["read_gbps"] > 0

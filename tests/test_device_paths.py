@@ -577,8 +577,9 @@ def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str
     label = buffer_label("gds", "host", False)
     row = {"engine": "gds", "memory": "host", "label": label, "threads": 16, "chunk_bytes": 8 << 20, "tensor_bytes": 1 << 20,
            "write_gbps": 1.5, "read_gbps": 2.5, "page_cache_after_write_bytes": 0, "page_cache_after_read_bytes": 0}
-    render(IOBenchReport(machine={"cpu": "c", "cpus": 2, "memory_gib": 4, "kernel": "k", "path": "/p", "filesystem": "ext4",
-                                  "device": "/dev/x", "device_model": "m", "rotational": False}, raw=None, rows=[row]))
+    from gds_offload.bench.machine import describe_machine
+
+    render(IOBenchReport(machine=describe_machine("/tmp").as_dict(), raw=None, rows=[row]))
     assert "not GPUDirect" in " ".join(capsys.readouterr().out.split())
     rate = _rate(row, "gds")
     assert rate["memory"] == "host" and rate["label"] == label

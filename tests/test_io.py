@@ -529,7 +529,7 @@ def test_explicit_modes_need_no_probe(mode: str) -> None:
 
 # --------------------------------------------------------------------------------- benchmark
 def test_page_cache_bytes_sees_buffered_but_not_direct_writes(spill_dir: Path) -> None:
-    from gds_offload.bench.io_bench import page_cache_bytes
+    from gds_offload.bench.raw_io import page_cache_bytes
 
     data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     for direct in (True, False):
@@ -571,17 +571,17 @@ def test_bench_io_command_smoke(spill_dir: Path, tmp_path: Path, capsys: pytest.
 def test_raw_bandwidth_falls_back_to_dd(monkeypatch: pytest.MonkeyPatch, spill_dir: Path) -> None:
     import shutil
 
-    from gds_offload.bench import io_bench
+    from gds_offload.bench import raw_io
 
     real_which = shutil.which
-    monkeypatch.setattr(io_bench.shutil, "which", lambda name: None if name == "fio" else real_which(name))
-    raw = io_bench.raw_direct_bandwidth(spill_dir, 64 << 20)
+    monkeypatch.setattr(raw_io.shutil, "which", lambda name: None if name == "fio" else real_which(name))
+    raw = raw_io.raw_direct_bandwidth(spill_dir, 64 << 20)
     assert raw["tool"] == "dd" and raw["write_gbps"] > 0 and raw["read_gbps"] > 0
     assert "oflag=direct" in raw["command"] and "iflag=direct" in raw["command"]
     assert os.listdir(spill_dir) == []
-    monkeypatch.setattr(io_bench.shutil, "which", lambda name: None)
+    monkeypatch.setattr(raw_io.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="needs fio or dd"):
-        io_bench.raw_direct_bandwidth(spill_dir, 64 << 20)
+        raw_io.raw_direct_bandwidth(spill_dir, 64 << 20)
 
 
 def test_info_names_the_engine_for_gpu_and_for_cpu_models(spill_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

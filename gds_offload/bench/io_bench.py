@@ -1,6 +1,6 @@
 """Storage-engine bandwidth, next to the drive's raw O_DIRECT bandwidth measured in the same run.
 
-:func:`raw_direct_bandwidth` asks ``fio`` (or ``dd``) what the drive does with O_DIRECT;
+:func:`~gds_offload.bench.raw_io.raw_direct_bandwidth` asks ``fio`` (or ``dd``) what the drive does with O_DIRECT;
 :func:`measure_engine` pushes tensors through an engine into a :class:`~gds_offload.store.SpillStore`
 the way the scheduler does (byte views, every write submitted before any is waited on,
 then every read), and checks the bytes that come back. :func:`run_bench` runs both over
@@ -19,195 +19,28 @@ and drops the file's cached pages so reads come from the drive.
 """
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import platform
-import shlex
-import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.machine import describe_machine
+from gds_offload.bench.raw_io import page_cache_bytes, raw_direct_bandwidth
 from gds_offload.errors import ConfigError
-from gds_offload.spill_dir import mount_of
 
 __all__ = [
-    "FIO_BLOCK_BYTES",
     "buffer_label",
-    "FIO_IODEPTH",
     "IOBenchReport",
-    "machine_info",
     "measure_engine",
-    "page_cache_bytes",
-    "raw_direct_bandwidth",
     "run_bench",
 ]
 
-#: fio's request size and queue depth for the raw figure: sequential 1 MiB requests, 16 in
-#: flight, one job, libaio. That saturates NVMe drives; on this project's 2-CPU virtio test
-#: machine QD16, QD32 and QD64 were within run-to-run noise (1.8-2.6 GB/s write, 1.5-2.4 read),
-#: and 16 requests is what the engines keep in flight (posix: 8 threads; KvikIO: 16 threads).
-FIO_BLOCK_BYTES = 1 << 20
-FIO_IODEPTH = 16
-#: ``dd``'s block size when fio is missing (dd has one request in flight; big blocks help).
-DD_BLOCK_BYTES = 64 << 20
 #: Distinct source tensors are cycled through up to this many bytes (keeps memory bounded).
 SOURCE_POOL_BYTES = 256 << 20
 #: Tensors compared with ``torch.equal`` after each read phase.
 VERIFY_SAMPLES = 8
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-# ---------------------------------------------------------------------------------------
-# the machine
-# ---------------------------------------------------------------------------------------
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def machine_info(path: Path) -> dict[str, Any]:
-    """CPU model, memory, kernel, and the filesystem and block device under ``path``. Never raises."""
-    cpu = "unknown"
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_gib = None
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        if line.startswith("MemTotal:"):
-            mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    device, mount, fstype = mount_of(path)
-    name = Path(device).name
-    sys_block = f"/sys/class/block/{name}"
-    model = _read(f"{sys_block}/device/model") or _read(f"{sys_block}/../device/model")
-    rotational = _read(f"{sys_block}/queue/rotational")
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "memory_gib": mem_gib,
-        "kernel": platform.release(),
-        "path": str(path),
-        "filesystem": fstype,
-        "mount": mount,
-        "device": device,
-        "device_model": model or "unknown",
-        "rotational": None if rotational is None else rotational == "1",
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# the drive's raw O_DIRECT bandwidth
-# ---------------------------------------------------------------------------------------
-def _fio_pass(fio: str, file: str, rw: str, total_bytes: int, fd: int) -> tuple[float, list[str]]:
-    cmd = [
-        fio, f"--name=raw-{rw}", f"--filename={file}", f"--rw={rw}", f"--bs={FIO_BLOCK_BYTES}",
-        "--direct=1", "--ioengine=libaio", f"--iodepth={FIO_IODEPTH}", "--numjobs=1",
-        f"--size={total_bytes}", "--output-format=json",
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600, pass_fds=(fd,)).stdout
-    report = json.loads(out[out.index("{") :])  # fio may print notes before the JSON
-    job = report["jobs"][0]["write" if rw == "write" else "read"]
-    return job["io_bytes"] / (job["runtime"] / 1000) / 1e9, cmd
-
-
-def _dd_pass(dd: str, file: str, rw: str, total_bytes: int, fd: int) -> tuple[float, list[str]]:
-    count = max(1, total_bytes // DD_BLOCK_BYTES)
-    bs = f"bs={DD_BLOCK_BYTES}"
-    if rw == "write":
-        cmd = [dd, "if=/dev/zero", f"of={file}", bs, f"count={count}", "oflag=direct", "conv=notrunc", "status=none"]
-    else:
-        cmd = [dd, f"if={file}", "of=/dev/null", bs, f"count={count}", "iflag=direct", "status=none"]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, capture_output=True, check=True, timeout=600, pass_fds=(fd,))
-    return count * DD_BLOCK_BYTES / (time.perf_counter() - t0) / 1e9, cmd
-
-
-def raw_direct_bandwidth(path: Path, total_bytes: int) -> dict[str, Any]:
-    """The drive's sequential O_DIRECT write, then read, bandwidth under ``path``.
-
-    fio when installed (libaio, :data:`FIO_IODEPTH` requests of :data:`FIO_BLOCK_BYTES`
-    in flight, one job, a fresh file it lays out like a new spill file), else ``dd``
-    with ``oflag=direct``/``iflag=direct`` and 64 MiB blocks. The file is unnamed, as a
-    spill file is: the tool writes it through ``/proc/self/fd/N``, and its space is freed
-    when this function returns, or when the process dies however it dies.
-
-    Args:
-        path: a directory on the drive.
-        total_bytes: bytes written and then read (rounded up to 1 MiB).
-
-    Returns:
-        ``{"tool", "write_gbps", "read_gbps", "command"}`` (GB/s = 1e9 bytes per second).
-
-    Raises:
-        ConfigError: neither fio nor dd is installed.
-        subprocess.CalledProcessError: the tool failed (its stderr says why).
-    """
-    total_bytes = -(-max(total_bytes, FIO_BLOCK_BYTES) // FIO_BLOCK_BYTES) * FIO_BLOCK_BYTES
-    fio, dd = shutil.which("fio"), shutil.which("dd")
-    if fio:
-        tool, run_pass = "fio", lambda f, rw, fd: _fio_pass(fio, f, rw, total_bytes, fd)
-    elif dd:
-        tool, run_pass = "dd", lambda f, rw, fd: _dd_pass(dd, f, rw, total_bytes, fd)
-    else:
-        raise ConfigError("raw bandwidth needs fio or dd on PATH; install fio (apt-get install fio)")
-    # An unnamed file (O_TMPFILE, or a named one unlinked at once): the tool reaches it through
-    # /proc/self/fd/N (the descriptor is passed to it), so even a kill -9 leaves nothing behind.
-    from gds_offload.store import open_unnamed
-
-    fd, _direct, _note = open_unnamed(Path(path), direct=False)
-    file = f"/proc/self/fd/{fd}"
-    try:
-        write_gbps, wcmd = run_pass(file, "write", fd)
-        read_gbps, rcmd = run_pass(file, "read", fd)
-    finally:
-        os.close(fd)
-    command = " && ".join(shlex.join(c) for c in (wcmd, rcmd))
-    return {"tool": tool, "write_gbps": write_gbps, "read_gbps": read_gbps, "command": command}
-
-
-# ---------------------------------------------------------------------------------------
-# page cache residency
-# ---------------------------------------------------------------------------------------
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def page_cache_bytes(fd: int, size: int) -> int:
-    """Bytes of the file behind ``fd`` (its first ``size`` bytes) resident in the page cache.
-
-    Maps the file (nothing is touched) and asks ``mincore``; works on O_DIRECT descriptors
-    and unnamed files, and counts pages cached through any descriptor of the same file.
-    """
-    if size <= 0:
-        return 0
-    import numpy as np
-
-    addr = _libc.mmap(None, size, 0x1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of fd {fd} for mincore failed: {os.strerror(err)}")
-    try:
-        pages = (size + _PAGE - 1) // _PAGE
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(addr, size, vec) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mincore failed: {os.strerror(err)}")
-        return int((np.frombuffer(memoryview(vec), dtype=np.uint8) & 1).sum()) * _PAGE
-    finally:
-        _libc.munmap(addr, size)
-
 
 def _cached(files: list[Any]) -> int:
     return sum(page_cache_bytes(f.fd, f.size) for f in files if f.fd >= 0)
@@ -454,7 +287,7 @@ def run_bench(
             raise ConfigError("bench-io measures named engines; pass posix, compat, gds or host, not auto")
     _memory(memory)  # a bad value is the caller's error, not an engine that cannot run here
     path = Path(path)
-    report = IOBenchReport(machine=machine_info(path), raw=None)
+    report = IOBenchReport(machine=describe_machine(path).as_dict(), raw=None)
     if raw:
         if progress:
             progress(f"raw O_DIRECT bandwidth of {path} (before)")

@@ -87,9 +87,9 @@ def render(report: Any) -> None:
     console = Console()
     m = report.machine
     console.print(
-        f"[bold]machine[/]: {m['cpu']} ({m['cpus']} CPUs, {m['memory_gib']} GiB), kernel {m['kernel']}\n"
-        f"[bold]path[/]: {m['path']} on {m['filesystem']} ({m['device']}, model {m['device_model']}, "
-        f"rotational={m['rotational']})"
+        f"[bold]machine[/]: {m['cpu_model']} ({m['cpu_usable'] or m['cpu_cores']} CPUs, {format_bytes(m['ram_bytes'] or 0)}), {m['os']}\n"
+        f"[bold]path[/]: {m['path']} on {m['filesystem']} ({m['drive'] or m['mount_source']}"
+        f"{', O_DIRECT' if m['o_direct'] else ''})"
     )
     raw = report.raw
     if raw:

@@ -5,7 +5,7 @@
   by another. Only those files are touched (``/proc/sys/vm/drop_caches`` is often refused
   in containers, and would drop every process's cache).
 * :func:`cached_bytes`: how much of each file is in the page cache now (``mincore`` on a
-  mapping of it, :func:`gds_offload.bench.io_bench.page_cache_bytes`): evidence that
+  mapping of it, :func:`gds_offload.bench.raw_io.page_cache_bytes`): evidence that
   :func:`evict` worked, recorded with every mode.
 * :func:`raw_read_bandwidth`: the drive's sequential ``O_DIRECT`` read rate with several
   requests in flight (one thread per request, each ``preadv`` into its own aligned buffer,
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.io_bench import page_cache_bytes
+from gds_offload.bench.raw_io import page_cache_bytes
 
 __all__ = ["RawRead", "ReadInterference", "evict", "cached_bytes", "raw_read_bandwidth", "read_interference"]
 
