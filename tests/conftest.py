@@ -28,6 +28,16 @@ from gds_offload.io.kvikio_engine import kvikio_status
 _NOT_A_DISK = {"tmpfs", "ramfs", "overlay", "squashfs", "devtmpfs", "nfs", "nfs4", "9p", "fuse", "virtiofs"}
 
 
+def schema_violations(doc: object) -> list[str]:
+    """Where ``doc`` breaks ``gds-check``'s published JSON schema (jsonschema, draft 2020-12); empty when it holds."""
+    import jsonschema
+
+    from gds_offload.check.report import JSON_SCHEMA
+
+    validator = jsonschema.Draft202012Validator(JSON_SCHEMA)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '$'}: {e.message}" for e in validator.iter_errors(doc)]
+
+
 def fstype(path: Path) -> str:
     """The filesystem type of the mount holding ``path`` (from /proc/mounts)."""
     from gds_offload.spill_dir import mount_of

@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import schema_violations
 
 import gds_offload.bench
 from gds_offload.check import _common, probes
@@ -46,7 +47,6 @@ from gds_offload.check.probes import (
     report_checks,
     strip_json_comments,
 )
-from gds_offload.check.report import JSON_SCHEMA, schema_errors
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -58,12 +58,15 @@ GPU_SYSFS = "devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:0
 NVME_SYSFS = "devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0"
 
 
-def test_schema_validator_catches_errors():
-    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
-              "properties": {"a": {"enum": [1, 2]}, "b": {"type": ["integer", "null"]}}}
-    assert schema_errors({"a": 1, "b": None}, schema) == []
-    assert len(schema_errors({"a": 3, "b": True, "c": 0}, schema)) == 3
-    assert schema_errors({}, schema) == ["$: missing 'a'"]
+def test_json_schema_is_a_valid_draft_2020_12_schema():
+    """The published schema is itself valid (jsonschema's own meta-schema check), so a
+    document's violations are the document's."""
+    import jsonschema
+
+    from gds_offload.check.report import JSON_SCHEMA
+
+    jsonschema.Draft202012Validator.check_schema(JSON_SCHEMA)
+    assert schema_violations({"schema": "gds-check/0"})  # wrong id, missing fields
 
 
 # ------------------------------------------------------------------------------------------
@@ -589,7 +592,7 @@ def test_cli_json_on_a_cpu_machine(tmp_path):
     done = _run_cli("--json", "--no-bench", env_extra={"GDS_OFFLOAD_DIR": str(spill)})
     assert done.returncode == 1, done.stderr
     doc = json.loads(done.stdout)
-    assert schema_errors(doc, JSON_SCHEMA) == []
+    assert schema_violations(doc) == []
     assert doc["verdict"] == "compat" and doc["exit_code"] == 1
     assert "no GPU" in doc["reason"]
     assert doc["paths"][0]["path"] == str(spill) and doc["paths"][0]["would_create"] and not spill.exists()
@@ -606,7 +609,7 @@ def test_cli_unusable_paths_exit_2(tmp_path):
         done = _run_cli("--json", "--no-bench", "--no-driver-probe", "--path", str(path))
         assert done.returncode == 2, done.stderr
         doc = json.loads(done.stdout)
-        assert doc["verdict"] == "unusable" and schema_errors(doc, JSON_SCHEMA) == []
+        assert doc["verdict"] == "unusable" and schema_violations(doc) == []
 
 
 def test_cli_table_and_usage_error(tmp_path):
@@ -645,7 +648,7 @@ def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KVIKIO_COMPAT_MODE", raising=False)
     code = check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
-    assert schema_errors(doc, JSON_SCHEMA) == []
+    assert schema_violations(doc) == []
     assert code == doc["exit_code"]
     engines = [c[0] for c in calls]
     assert "posix" in engines and calls[0][2] == 1 << 20 and calls[0][3] == 1 << 20
@@ -665,7 +668,7 @@ def test_cli_bandwidth_skips_without_io_bench(tmp_path, monkeypatch, capsys):
     doc = json.loads(capsys.readouterr().out)
     check = [c for c in doc["checks"] if c["name"] == "bandwidth"][0]
     assert check["status"] == "skip" and "io_bench unavailable" in check["detail"]
-    assert doc["bandwidth"] == {} and schema_errors(doc, JSON_SCHEMA) == []
+    assert doc["bandwidth"] == {} and schema_violations(doc) == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import schema_violations
 from packaging.requirements import Requirement
 from packaging.version import Version
 
 from gds_offload.check.probes import strip_json_comments
-from gds_offload.check.report import JSON_SCHEMA, schema_errors
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -277,7 +277,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert summary["versions"].get("gds_offload"), "versions are read after the install step, from the package"
     assert "-m gpu\\ or\\ gds" in parts["pytest"]["command"]
     doc = json.loads((out / "gds-check.json").read_text())
-    assert schema_errors(doc, JSON_SCHEMA) == []
+    assert schema_violations(doc) == []
     assert summary["gds_check_verdict"] == doc["verdict"]
     # Every command, run or not, is printed.
     printed = [ln for ln in done.stderr.splitlines() if ln.startswith("+ ")]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
-    "SCHEMA_ID", "EXIT_CODES", "JSON_SCHEMA", "schema_errors", "build_document", "render", "format_gbps",
+    "SCHEMA_ID", "EXIT_CODES", "JSON_SCHEMA", "build_document", "render", "format_gbps",
     "BenchProgress",
 ]
 
@@ -167,60 +167,6 @@ JSON_SCHEMA: dict[str, Any] = {
                        "description": "files that exist but could not be read without root"},
     },
 }
-
-
-_JSON_TYPES: Mapping[str, Any] = {
-    "object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
-    "integer": int, "number": (int, float),
-}
-
-
-def schema_errors(value: Any, schema: Mapping[str, Any] = JSON_SCHEMA, where: str = "$") -> list[str]:
-    """Check ``value`` against a JSON Schema, without the ``jsonschema`` package.
-
-    Supports the keywords :data:`JSON_SCHEMA` uses: ``type`` (one or a list), ``const``,
-    ``enum``, ``required``, ``properties``, ``additionalProperties`` (bool or schema) and
-    ``items``. Other keywords are ignored.
-
-    Args:
-        value: a decoded JSON document (or part of one).
-        schema: the schema; the gds-check document's by default.
-        where: JSON path of ``value``, for the messages.
-
-    Returns:
-        One message per violation (``$.paths[0].fstype: int is not ['string']``); empty
-        when the document conforms.
-    """
-    errors: list[str] = []
-    if "const" in schema and value != schema["const"]:
-        errors.append(f"{where}: {value!r} != const {schema['const']!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where}: {value!r} not in {schema['enum']}")
-    if "type" in schema:
-        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_is_type(value, n) for n in names):
-            return errors + [f"{where}: {type(value).__name__} is not {names}"]
-    if isinstance(value, dict):
-        errors += [f"{where}: missing {k!r}" for k in schema.get("required", []) if k not in value]
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            if key in props:
-                errors += schema_errors(item, props[key], f"{where}.{key}")
-            elif extra is False:
-                errors.append(f"{where}: unexpected {key!r}")
-            elif isinstance(extra, dict):
-                errors += schema_errors(item, extra, f"{where}.{key}")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            errors += schema_errors(item, schema["items"], f"{where}[{i}]")
-    return errors
-
-
-def _is_type(value: Any, name: str) -> bool:
-    if name in ("integer", "number") and isinstance(value, bool):
-        return False
-    return isinstance(value, _JSON_TYPES[name])
 
 
 def _path_entry(probe: PathProbe, verdict: Verdict, bandwidth: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
