@@ -361,5 +361,6 @@ def test_runner_trains_from_shards(shards: Path) -> None:
     assert torch.equal(hf["input_ids"], in_order[0][:, :-1]) and hf["labels"] is hf["input_ids"]
     result = run_here(spec, emit=lambda ev: None)
     assert result.status == "ok" and len(result.losses) == 3
+    assert len(result.input_wait_seconds) == spec.steps and all(w >= 0 for w in result.input_wait_seconds)
     with pytest.raises(ValueError, match="pass --vocab 4096"):
         build_workload(replace(spec, vocab=100))

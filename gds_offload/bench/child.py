@@ -252,6 +252,8 @@ class _Trainer:
         self.gpu: torch.device | None = torch.device(spec.device) if spec.device.startswith("cuda") else None
         self._saving: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if save_on_cpu else contextlib.nullcontext)
+        #: How long the last :meth:`step` waited for its batch.
+        self.input_wait_s = 0.0
 
     def sync(self) -> None:
         """Wait for the GPU's queued work, so that times and memory counters include it."""
@@ -261,8 +263,11 @@ class _Trainer:
             torch.cuda.synchronize(self.gpu)
 
     def step(self, i: int) -> tuple[float, float]:
-        """Train step ``i``; returns its loss and its wall time (the batch is made outside it)."""
+        """Train step ``i``; returns its loss and its wall time (the batch is made outside it, and
+        the wait for it kept in :attr:`input_wait_s`)."""
+        t0 = time.perf_counter()
         batch = self.wl.batch_fn(i)
+        self.input_wait_s = time.perf_counter() - t0
         self.sync()
         t0 = time.perf_counter()
         _seed_step(self.spec, i)
@@ -351,6 +356,7 @@ def _measure(trainer: _Trainer, peak: _Peak) -> int | None:
         if paired and offloaded:
             paired_peak = max(paired_peak, peak.now() or 0)
         (result.step_seconds if offloaded else result.paired_keep_seconds).append(dt)
+        result.input_wait_seconds.append(trainer.input_wait_s)
         trainer.record(i, "measure" if offloaded else "paused", loss, dt)
     if not paired:
         return peak.now()

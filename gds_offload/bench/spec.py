@@ -118,6 +118,9 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)
     #: ``paired`` offload modes: the paused steps, ``paired_keep_seconds[j]`` the partner of ``step_seconds[j]``.
     paired_keep_seconds: list[float] = field(default_factory=list)
+    #: How long each measured step (offloaded and paused alike, in order) waited for its batch
+    #: (``batch_fn``, outside the step's time): the input pipeline's stall, ~0 when it keeps up.
+    input_wait_seconds: list[float] = field(default_factory=list)
     median_step_s: float | None = None
     tokens_per_s: float | None = None
     #: Peak memory above the post-warm-up baseline (see the module doc).

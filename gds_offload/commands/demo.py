@@ -139,6 +139,8 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     pairs = paired_ratios(off) if o_ok else []
     if pairs:
         table.add_row(f"step time, offloaded / paused, same process ({len(pairs)} pair{'' if len(pairs) == 1 else 's'})", "", "", f"{statistics.median(pairs):.2f}x")
+    waits = [statistics.median(r.input_wait_seconds) if ok and r.input_wait_seconds else None for r, ok in ((keep, k_ok), (off, o_ok))]
+    table.add_row("input wait per step (median)", *(f"{w:.4f} s" if w is not None else "-" for w in waits), "")
     k_mem = keep.peak_activation_bytes if k_ok else None
     o_mem = off.peak_activation_bytes if o_ok else None
     table.add_row("peak activation memory (measured)", _gb(k_mem), _gb(o_mem), ratio(o_mem, k_mem))
