@@ -19,9 +19,8 @@ from gds_offload.errors import ConfigError
 __all__ = ["FIO_BLOCK_BYTES", "FIO_IODEPTH", "DD_BLOCK_BYTES", "page_cache_bytes", "raw_direct_bandwidth"]
 
 #: fio's request size and queue depth for the raw figure: sequential 1 MiB requests, 16 in
-#: flight, one job, libaio. That saturates NVMe drives; on this project's 2-CPU virtio test
-#: machine QD16, QD32 and QD64 were within run-to-run noise (1.8-2.6 GB/s write, 1.5-2.4 read),
-#: and 16 requests is what the engines keep in flight (posix: 8 threads; KvikIO: 16 threads).
+#: flight, one job, libaio. That saturates NVMe drives, and 16 requests is about what the
+#: engines keep in flight (posix: 8 threads; KvikIO: 16 threads).
 FIO_BLOCK_BYTES = 1 << 20
 FIO_IODEPTH = 16
 #: ``dd``'s block size when fio is missing (dd has one request in flight; big blocks help).

@@ -106,8 +106,8 @@ class _Pool:
 
     :meth:`take` copies windows ``order[lo:hi]`` out as ``int64``. On the CPU it gathers
     with numpy: torch would split a batch of 64 windows (32k tokens, just above its grain
-    size) over its intra-op threads, and on a loaded machine that parallel region took 40 ms
-    where one thread takes 0.1 ms (measured on the 2-core test VM).
+    size) over its intra-op threads, whose parallel region costs far more than the copy when
+    the training's threads hold the cores.
     """
 
     def __init__(self, stage: torch.Tensor, order: np.ndarray, mask: int | None) -> None:

@@ -68,12 +68,11 @@ if TYPE_CHECKING:
 __all__ = ["KvikIOEngine", "cufile_config_path", "kvikio_status"]
 
 #: KvikIO threads (and this engine's issue threads). Its default (1) leaves a drive at queue
-#: depth 1. 16 moved 1 MiB tensors at 3.0-3.2 GB/s vs 2.1-2.5 with 4 (64 MiB tensors: equal)
-#: on the 2-CPU virtio/ext4 test machine; measured with ``gds-offload bench-io --engines compat
-#: --threads 4,8,16 --tensor-sizes 1MiB,64MiB --repeats 2``.
+#: depth 1; small tensors need many requests in flight to reach the drive's rate. Choose for a
+#: node with ``gds-offload bench-io --engines compat --threads 4,8,16 --tensor-sizes 1MiB,64MiB``.
 DEFAULT_THREADS = 16
-#: KvikIO splits each transfer into tasks of this size over its threads (1 MiB and 8 MiB tasks
-#: were within noise with ``bench-io --chunk-sizes 1MiB,8MiB``).
+#: KvikIO splits each transfer into tasks of this size over its threads (compare sizes with
+#: ``bench-io --chunk-sizes 1MiB,8MiB``).
 DEFAULT_TASK_BYTES = 8 << 20
 #: Largest piece of one transfer queued as one cuFile stream operation: cuFile's I/O size
 #: limit is under 2 GiB; cuFile itself splits a piece over its threads (``parallel_io``).

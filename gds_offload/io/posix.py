@@ -36,12 +36,12 @@ if TYPE_CHECKING:
 
 __all__ = ["PosixEngine"]
 
-#: Worker threads (requests in flight). 8 moved 1 MiB tensors at 2.3/2.7 GB/s (write/read) vs
-#: 1.6-2.2/1.6-2.3 with 4; 16 was no better (Python per-chunk work on 2 CPUs); 64 MiB tensors
-#: were equal. Measured with ``gds-offload bench-io --engines posix --threads 4,8,16
-#: --tensor-sizes 1MiB,64MiB --repeats 3`` on the 2-CPU virtio/ext4 test machine.
+#: Worker threads (requests in flight): enough to keep a drive's queue busy with small tensors,
+#: few enough that Python's per-chunk work does not crowd the model's CPU threads. Choose for a
+#: node with ``gds-offload bench-io --engines posix --threads 4,8,16 --tensor-sizes 1MiB,64MiB``.
 DEFAULT_THREADS = 8
-#: Chunk size: 1 MiB and 8 MiB chunks were within noise (``bench-io --chunk-sizes 1MiB,8MiB``).
+#: Chunk size: large enough that each request is one efficient ``O_DIRECT`` transfer (compare
+#: with ``bench-io --chunk-sizes 1MiB,8MiB``).
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 

@@ -10,9 +10,8 @@ which says what is measured). Modes in :data:`CAPPED` run in a cgroup v1 memory 
 their own below the weights' size (:mod:`gds_offload.weights.cgroup`; page cache included).
 Every child runs with ``MALLOC_MMAP_THRESHOLD_=1048576``: under a cap, freed activations and
 layers must go back to the kernel rather than stay in glibc's heap; and since each allocation
-of 1 MiB or more then costs fresh page faults (a batch-8 prefill took 1.3-2x as long with it
-as without, in the ``host`` mode on the 2-CPU test VM), the uncapped modes get it too, so no
-mode's compute is measured with a cheaper allocator than another's.
+of 1 MiB or more then costs fresh page faults, the uncapped modes get it too, so no mode's
+compute is measured with a cheaper allocator than another's.
 
 Modes:
 
@@ -80,8 +79,8 @@ class BenchModel:
 
 
 TINY = BenchModel(hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=256)
-#: 12 layers of 180 MB and 262 MB resident (2.42 GB fp32): twice a 1.2 GiB cap, and a run of
-#: every mode, twice, in about a quarter of an hour on a loaded 2-CPU VM.
+#: 12 layers of 180 MB and 262 MB resident (2.42 GB fp32): twice a 1.2 GiB cap, yet small
+#: enough that every mode runs in minutes on a CPU.
 DEFAULT_MODEL = BenchModel(hidden=2048, intermediate=5632, layers=12, heads=16, kv_heads=4, vocab=16000)
 
 
