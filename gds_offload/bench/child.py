@@ -21,9 +21,8 @@ Paired runs (``RunSpec(paired=True)``, ``gds-offload bench --paired``): an offlo
 child alternates offloaded steps with steps under :meth:`~gds_offload.Offloader.paused`
 (no offloading), in ABBA order, and reports both (an odd count's last step is offloaded,
 without a partner). Their ratio compares steps seconds
-apart in one process, so a shared machine's slow spells, which last minutes and move a
-mode's median by up to a third between processes (keep: 7.0, 9.5 and 8.1 s in the three
-rounds of one ``bench --rounds 3`` on the 2-vCPU test VM), hit both sides alike.
+apart in one process, so a shared machine's slow spells, which last minutes and can move a
+mode's median by a third between processes, hit both sides alike.
 """
 from __future__ import annotations
 

@@ -10,23 +10,19 @@ What a run is and the mode names: :mod:`gds_offload.bench.spec`; the models it t
 :mod:`gds_offload.bench.workload`.
 
 .. note:: The allocator setting costs time
-   Returning every large block makes each step fault its pages in again: on a 2-core
-   VM every mode's steps took about 30 % longer than with glibc's defaults, while the
-   ratios between modes stayed within a few percent (keep 2.75 -> 3.58 s, posix offload
-   1.21x -> 1.24x keep, host offload 1.15x -> 1.13x). ``RunSpec(measure_memory=False)``
-   (``--no-memory``) runs with the defaults and reports no memory peak. It cannot be
-   switched inside one process: once glibc's heap holds large free blocks it serves
-   later requests from them whatever the threshold (measured: ``mallopt`` plus
-   ``malloc_trim`` after the warm-up left the peak of keep at 1.73 instead of 1.47 GiB).
+   Returning every large block makes each step fault its pages in again: every mode's
+   steps take longer than with glibc's defaults, alike, so the ratios between modes hold.
+   ``RunSpec(measure_memory=False)`` (``--no-memory``) runs with the defaults and reports
+   no memory peak. It cannot be switched inside one process: once glibc's heap holds large
+   free blocks it serves later requests from them whatever the threshold (``mallopt`` plus
+   ``malloc_trim`` after the warm-up leaves a higher peak).
 
 .. note:: Bit-identical across processes
    Children run with ``MKL_CBWR=AUTO,STRICT`` (unless the environment sets ``MKL_CBWR``):
    MKL's conditional numerical reproducibility, strict mode. Without it, MKL's CPU kernels
-   gave different last bits in different processes (one bench run of three modes on the
-   2-core test VM ended with three different sets of weights). It does not remove every
-   difference: in 6 of 30 non-keep rows of bench runs of the demo model, the last step
-   still ended with other last bits, 5 of them with the very same weights, one of those a
-   ``recompute`` row, which uses no offloader. So the rest is torch's or MKL's, and
+   can give different last bits in different processes, with or without the offloader. It
+   does not remove every difference (``recompute`` rows, which use no offloader, can still
+   differ in the last bits of the last step). So the rest is torch's or MKL's, and
    ``gds-offload demo`` re-checks in one process
    (:func:`~gds_offload.bench.child.exact_in_process`) before it blames the offloader.
 """

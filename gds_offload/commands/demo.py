@@ -3,7 +3,7 @@
 The model is the built-in GPT (or ``--model llama|gpt2``: Hugging Face classes built from
 configs, random weights) on synthetic tokens, on the GPU if there is one, else the CPU,
 sized by :data:`gds_offload.bench.gpt.DEMO_PRESETS` so that a step saves about 1 GiB of
-activations and the whole demo takes a few minutes on a 2-core machine. Each run is a
+activations and the whole demo takes minutes on a CPU. Each run is a
 child process of :mod:`gds_offload.bench.runner` (so each memory peak is measured on its
 own); this process shows their progress live and the comparison at the end.
 

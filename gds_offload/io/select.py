@@ -69,9 +69,8 @@ def choose_engine(mode: Mode, path: Path | None, device: str | None = None) -> C
     ``device``: the device type of the tensors to move (``"cpu"``, ``"cuda"``; ``None``:
     not known, as for ``gds-offload info``). ``auto`` picks ``posix`` for CPU tensors:
     cuFile has nothing to do for host memory, and posix moves the same pages with fewer
-    threads (8 against KvikIO's 16 plus 16 issuing). On the 2-core test VM it cost less
-    step time than compat in each of 4 single runs of ``gds-offload bench`` on the demo
-    model; with ``--rounds 2 --steps 8 --paired`` the two tied (1.03x keep each).
+    threads (8 against KvikIO's 16 plus 16 issuing), and on a CPU every thread's work is
+    taken from the model's (compare with ``gds-offload bench --modes keep,offload:posix,offload:compat``).
 
     Raises:
         GDSUnavailableError: ``mode="gds"`` where the direct path does not work (names what is missing).
