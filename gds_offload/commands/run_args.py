@@ -71,7 +71,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, warmup: int) 
     p.add_argument("--num-threads", type=positive_int, default=None, help="engine I/O threads (engine default)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before a mode's process is killed (default: 1800)")
     p.add_argument("--data", default=None, help="train on token shards from this directory (gds-offload shards) instead of synthetic tokens; sets --seq (and --vocab) from them")
-    p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step ~30%% slower; see gds_offload.bench.runner)")
+    p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step slower, every mode alike; see gds_offload.bench.runner)")
 
 
 def resolve_device(device: str) -> str:
