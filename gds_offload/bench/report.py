@@ -254,9 +254,9 @@ def _generic(doc: dict[str, Any]) -> list[str]:
 
 
 def _targets(doc: dict[str, Any]) -> list[str]:
-    """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally the
-    ceilings ``ceiling`` and ``ceiling_reads``, bounds measured in the same run): met, missed, or
-    out of reach on this machine, where a ceiling falls short of the need."""
+    """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally its
+    ``ceiling``: the same work with no data to move, measured in the same run): met, missed, or
+    out of reach on this machine, where the ceiling falls short of the need."""
     targets = doc.get("targets")
     if not isinstance(targets, list) or not targets:
         return []
@@ -270,7 +270,7 @@ def _targets(doc: dict[str, Any]) -> list[str]:
         elif t["met"]:
             verdict = "met"
         elif bounds and min(bounds) < t["need"]:
-            verdict = "out of reach here: a ceiling is below the need"
+            verdict = "out of reach here: the ceiling, measured in the same run, is below the need"
         else:
             verdict = "missed"
         cells = [str(t["target"]), f">= {t['need']:g}", "-" if value is None else f"{value:.2f}"]
@@ -280,7 +280,7 @@ def _targets(doc: dict[str, Any]) -> list[str]:
 
 
 #: The bounds a target may carry, and their column names.
-CEILINGS = (("ceiling", "ceiling: no data movement"), ("ceiling_reads", "ceiling: reads' measured CPU cost"))
+CEILINGS = (("ceiling", "ceiling: every weight in memory"),)
 
 
 #: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).

@@ -93,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
+    from gds_offload.bench.report import current_commit
+
     console = Console(stderr=True)
     started = time.time()
+    commit = current_commit()  # before the run writes its plot and results into the checkout
     try:
         report = run_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, checkpoint=args.checkpoint,
                            interference_s=0.2 if args.tiny else 2.0,
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}", file=sys.stderr)
         return 2
-    doc = _document(args, report, started, workdir)
+    doc = _document(args, report, started, workdir, commit)
     if args.out and args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -114,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path) -> dict[str, Any]:
+def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
     from gds_offload.bench.machine import describe_machine
-    from gds_offload.bench.report import current_commit
     from gds_offload.units import format_bytes
     from gds_offload.weights.bench_doc import document, plot
 
@@ -142,7 +144,7 @@ def _document(args: argparse.Namespace, report: dict[str, Any], started: float, 
         except ImportError as exc:
             print(f"gds-offload bench-weights: no plot: {exc}")
     started_s = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
-    return document(report, title=title, about=about, command=getattr(args, "command_line", "gds-offload bench-weights"), commit=current_commit(),
+    return document(report, title=title, about=about, command=getattr(args, "command_line", "gds-offload bench-weights"), commit=commit,
                     machine=describe_machine(workdir).as_dict(), started=started_s, wall_s=time.time() - started, plot_path=plot_path)  # fmt: skip
 
 
@@ -151,8 +153,7 @@ def _interference_line(report: dict[str, Any]) -> str:
     if not probe:
         return ""
     return (f". Compute shaped like the model's MLP ran {probe['slowdown']:.2f}x slower beside O_DIRECT reads at "
-            f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): the reads' CPU cost, which bounds the drive's targets "
-            f"(the ceiling column 'reads' measured CPU cost')")
+            f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): what reading costs the compute on this machine")
 
 
 def render(doc: dict[str, Any]) -> None:

@@ -132,6 +132,7 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
 
     say = progress or (lambda _msg: None)
     started = time.time()
+    commit = current_commit()  # before the run writes anything into the checkout
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     shards = scan_shards(directory)
     dev = torch.device(device)
@@ -162,7 +163,7 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
     spec, demo = _demo_step(shards, device, demo_steps, timeout_s)
     demo_tps = demo.tokens_per_s if demo.status == "ok" else None
     return _document(shards, rows, spec, demo, demo_tps, rounds=rounds, max_windows=max_windows, device=device,
-                     command=command, commit=current_commit(), machine=describe_machine(shards.directory).as_dict(),
+                     command=command, commit=commit, machine=describe_machine(shards.directory).as_dict(),
                      started=started, load_average=load_average)
 
 

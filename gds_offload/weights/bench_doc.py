@@ -12,11 +12,7 @@ Targets (all within one run, ``drive`` against ``accelerate-disk``):
 Each tokens/s target also gets a ``ceiling``: the ratio to Accelerate of the faster mode that
 holds every weight in memory (resident, streamed-host), what streaming that cost nothing at
 all would reach (where compute alone takes longer than Accelerate's reads, no streamer can
-be 2x faster). Where the run measured ``interference`` (compute slowed ``f`` times while the
-drive reads at full rate), the drive's targets also get ``ceiling_reads``: a drive streamer
-must read ``B`` bytes per token, which takes at least ``B / R`` at the raw rate ``R``, and
-during that time compute advances only ``1/f`` as fast, so a token takes at least
-``1/held + (B / R) (1 - 1/f)`` seconds, ``held`` being the in-memory ceiling's tokens/s.
+be 2x faster).
 """
 from __future__ import annotations
 
@@ -49,28 +45,15 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     drive1 = by.get(("drive", 1), {})
     out: list[dict[str, Any]] = [{"target": "decode batch 1: drive read rate / raw O_DIRECT rate", "need": 0.9, "value": _ratio(drive1.get("decode_read_bytes_per_s"), raw)}]
     wanted = [(1, "decode", 1.0)] + [(b, phase, 2.0) for b in sorted(b for m, b in by if m == "drive" and b >= 8) for phase in ("prefill", "decode")]
-    slowdown = (report.get("interference") or {}).get("slowdown")
     for batch, phase, need in wanted:
         key = f"{phase}_tokens_per_s"
         drive, acc, *held = (by.get((m, batch), {}).get(key) for m in ("drive", "accelerate-disk", "resident", "host"))
         # ceiling: the faster in-memory mode's ratio, what streaming with no cost at all would reach.
         best = max((h for h in held if h), default=None)
-        row = {"target": f"{phase} batch {batch}: tok/s / Accelerate's", "need": need, "value": _ratio(drive, acc), "ceiling": _ratio(best, acc)}
-        per_token = _read_bytes_per_token(by.get(("drive", batch), {}), phase, batch, report["spec"].get("prompt_len"))
-        if best and raw and slowdown and per_token:
-            row["ceiling_reads"] = _ratio(1 / (1 / best + per_token / raw * (1 - 1 / slowdown)), acc)
-        out.append(row)
+        out.append({"target": f"{phase} batch {batch}: tok/s / Accelerate's", "need": need, "value": _ratio(drive, acc), "ceiling": _ratio(best, acc)})
     for t in out:
         t["met"] = None if t["value"] is None else t["value"] >= t["need"]
     return out
-
-
-def _read_bytes_per_token(drive: dict[str, Any], phase: str, batch: int, prompt_len: int | None) -> float | None:
-    """Bytes the drive mode read per token of ``phase``, as measured."""
-    if phase == "decode":
-        return drive.get("drive_bytes_per_token")
-    read = drive.get("prefill_read_bytes")
-    return read / (batch * prompt_len) if read and prompt_len else None
 
 
 def _num(v: float | None) -> str:
