@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,16 +67,67 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_child(proc: subprocess.Popen[str], marker: str, timeout_s: float = 120) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the command ended early: {proc.communicate()}"
-        kids = [k for k in _children(proc.pid) if marker in _cmdline(k)]
-        if kids:
-            return kids[0]
+def _cpu_seconds(pid: int) -> float:
+    """CPU time ``pid`` has used, with that of the children it reaped; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+    except OSError:
+        return False
+
+
+def _wait_until(proc: subprocess.Popen[str], done: Callable[[], object], what: str,
+                *, idle_s: float = 30, cpu_s: float = 120) -> None:
+    """Poll until ``done()`` is true. A busy machine stretches the wall time the command takes,
+    not the CPU time it needs, so the limits are not on wall time: the test fails when the
+    command and its children have used ``cpu_s`` CPU-seconds (a loop), or when for ``idle_s``
+    they used none and none was runnable (a hang)."""
+    start = used = _cpu_seconds(proc.pid)
+    moved = time.monotonic()
+    while not done():
+        family = [proc.pid, *_children(proc.pid)]
+        now = sum(_cpu_seconds(p) for p in family)
+        if now != used or any(_running(p) for p in family):
+            used, moved = now, time.monotonic()
+        stuck = f"was idle for {idle_s:.0f} s" if time.monotonic() - moved > idle_s else ""
+        if stuck or now - start > cpu_s:
+            proc.kill()
+            raise AssertionError(f"waiting for {what}: the command {stuck or f'used {cpu_s:.0f} CPU-seconds'}")
         time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no child process running {marker} after {timeout_s} s")
+
+
+def _wait_for_child(proc: subprocess.Popen[str], marker: str) -> int:
+    kids: list[int] = []
+
+    def found() -> bool:
+        assert proc.poll() is None, f"the command ended early: {proc.communicate()}"
+        kids.extend(k for k in _children(proc.pid) if marker in _cmdline(k))
+        return bool(kids)
+
+    _wait_until(proc, found, f"a child process running {marker}")
+    return kids[0]
+
+
+def _stderr_at_exit(proc: subprocess.Popen[str]) -> str:
+    """What the command wrote on stderr, once it has exited (its pipes are drained meanwhile)."""
+    streams: list[tuple[str, str]] = []
+
+    def exited() -> bool:
+        try:
+            streams.append(proc.communicate(timeout=0.2))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    _wait_until(proc, exited, "the command to exit")
+    return streams[0][1]
 
 
 SIGNALLED = {
@@ -111,15 +163,12 @@ def test_termination_signal_stops_the_command_and_its_children(command: str, sig
         args += ["--path", str(spill)]
     proc = _start(args, cwd)
     child = _wait_for_child(proc, marker)
-    time.sleep(1.5)  # the child is training now
+    # Past its start (about a CPU-second), on an idle or a busy machine alike.
+    _wait_until(proc, lambda: _cpu_seconds(child) >= 1, "the child to run")
     family = _children(proc.pid)
     assert child in family
     proc.send_signal(signum)
-    try:
-        _out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    err = _stderr_at_exit(proc)
     assert proc.returncode == 128 + signum, (proc.returncode, err[-2000:])
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in family) and time.monotonic() < deadline:
