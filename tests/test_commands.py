@@ -150,8 +150,8 @@ SIGNALLED = {
 )
 def test_termination_signal_stops_the_command_and_its_children(command: str, signum: signal.Signals, tmp_path) -> None:
     """The signal reaches the running child, which is reaped; the command prints one line, exits
-    128 + the signal number, and leaves no process and no file (before: SIGTERM orphaned the
-    child, which kept training; SIGINT printed a traceback)."""
+    128 + the signal number, and leaves no process and no file: no orphaned child training on,
+    no traceback."""
     if command == "bench-weights":
         pytest.importorskip("transformers")
     spill, cwd = tmp_path / "spill", tmp_path / "cwd"
@@ -212,8 +212,8 @@ def test_ctrl_c_in_gds_check_is_one_line_and_exit_130(monkeypatch, capsys) -> No
 # ---------------------------------------------------------------------------- demo output
 @pytest.mark.parametrize("steps", [1, 3])
 def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, capsys) -> None:
-    """An odd count runs: its last measured step is offloaded and unpaired (before: ``--steps 3``
-    was refused with "use an even number")."""
+    """An odd count runs (``--steps 3`` is not refused): its last measured step is offloaded and
+    unpaired."""
     rc = main(["demo", *TINY_ARGS, "--steps", str(steps), "--mode", "posix", "--path", str(tmp_path)])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -223,7 +223,7 @@ def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, c
 
 
 def test_demo_frames_end_their_lines(tmp_path, capsys) -> None:
-    """Each run's last frame ends its line before the next run's header (before: "...┘gds-offload demo: ...")."""
+    """Each run's last frame ends its line before the next run's header (no "...┘gds-offload demo: ...")."""
     assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     for line in text.splitlines():
@@ -273,8 +273,8 @@ ZERO_OR_NEGATIVE = [
 
 @pytest.mark.parametrize("argv", ZERO_OR_NEGATIVE, ids=" ".join)
 def test_zero_and_negative_sizes_are_errors_naming_the_flag(argv: list[str], no_work: None, capsys) -> None:
-    """Zero never means "the default" (before: demo --layers 0 ran the full default model;
-    bench-io --tensor-sizes 0 skipped every engine and exited 0)."""
+    """Zero never means "the default": demo --layers 0 does not run the full default model, and
+    bench-io --tensor-sizes 0 does not skip every engine and exit 0."""
     code, text = _exit_code(argv, capsys)
     assert code == 2, text
     assert argv[1] in text, text
@@ -302,8 +302,8 @@ _ROK_HAS_NO = ("--policy", "--keep-last", "--num-threads", "--min-bytes")
     ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_bad_arguments_refused_before_any_run(command: str, extra: list[str], flag: str, tmp_path, no_work: None, capsys) -> None:
-    """Every argument is checked before the first child starts (before: a bad --path, --policy,
-    --keep-last, --num-threads, --device or --model showed up only after the keep baseline ran)."""
+    """Every argument is checked before the first child starts: a bad --path, --policy,
+    --keep-last, --num-threads, --device or --model is not found only after the keep baseline ran."""
     afile = tmp_path / "file"
     afile.write_text("x")
     extra = [e.replace("{file}", str(afile)) for e in extra]
@@ -321,7 +321,7 @@ def test_bad_arguments_refused_before_any_run(command: str, extra: list[str], fl
 @pytest.mark.parametrize("command", ["demo", "bench", "rok"])
 def test_a_model_that_cannot_fit_is_refused_with_the_estimate(command: str, tmp_path, no_work: None, capsys) -> None:
     """Sizes are checked against the memory there is before anything runs, and the message
-    gives the estimate (before: the children started and died, or swapped the machine)."""
+    gives the estimate: no child starts only to die, or to swap the machine."""
     size = ["--layers", "8", "--hidden", "4096", "--heads", "32", "--seq", "4096", "--vocab", "32000"]
     argv = {"demo": ["demo", *size, "--batch", "64", "--device", "cpu"],
             "bench": ["bench", *size, "--batch", "64", "--modes", "keep", "--out", "", "--plot", "", "--device", "cpu"],
@@ -348,7 +348,7 @@ def test_memory_estimate_matches_a_measured_keep_run() -> None:
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
 def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: None, capsys) -> None:
-    """bench-io checks free space first (before: it filled the drive, then died with a raw CalledProcessError)."""
+    """bench-io checks free space first, rather than filling the drive and dying with a raw CalledProcessError."""
     from models import tmpfs
 
     with tmpfs(tmp_path / "small", "16m") as small:
@@ -359,7 +359,7 @@ def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: N
 
 def test_bench_io_raw_pass_leaves_no_name_on_disk(spill_dir, monkeypatch) -> None:
     """The raw fio/dd pass writes an unnamed file (O_TMPFILE, or unlinked at once): nothing has a
-    name while it runs, so a kill -9 leaves nothing behind (before: a 64 MiB named file)."""
+    name while it runs, so a kill -9 leaves nothing behind (no named file of --size bytes)."""
     from gds_offload.bench import io_bench
 
     seen: list[tuple[list[str], list[str]]] = []
