@@ -337,7 +337,7 @@ def test_cuda_visible_devices_hint(tmp_path):
 # ------------------------------------------------------------------------------------------
 def test_missing_dir_is_reported_not_created(tmp_path):
     """A check changes nothing: a missing directory is "missing, would be created 0700", and its
-    nearest existing ancestor is what gets probed (before: gds-check created it, then said "exists")."""
+    nearest existing ancestor is what gets probed (gds-check must not create it, then say "exists")."""
     spill = tmp_path / "a" / "b"
     root = make_node(tmp_path / "root", tmp_path / "other")
     report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
@@ -362,7 +362,7 @@ def _attach_message(path):
 
 def test_check_refuses_what_attach_refuses(tmp_path):
     """One truth: a world-writable directory without the sticky bit is unusable for gds-check
-    too, with attach()'s own words (before: gds-check said compat, attach refused)."""
+    too, with attach()'s own words (not compat for gds-check while attach refuses it)."""
     from gds_offload.spill_dir import check_dir
 
     d = tmp_path / "open"

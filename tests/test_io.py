@@ -606,7 +606,7 @@ def test_negative_read_pool_is_refused() -> None:
 def test_engines_opening_handles_at_once_leave_kvikio_compat_mode_as_it_was(monkeypatch: pytest.MonkeyPatch, spill_dir: Path) -> None:
     """``kvikio.defaults.set("compat_mode", ...)`` is process-wide: a gds and a compat engine opening
     handles at the same time must each open with their own mode and leave the process's mode as
-    it was (before: one lock per engine, and the process ended with compat mode OFF).
+    it was (one lock per engine is not enough: the process could end with compat mode OFF).
 
     ``CuFile`` is replaced by a slow fake that records the mode it was opened under: a real
     compat-OFF open needs the GDS driver, which this machine lacks."""

@@ -31,7 +31,7 @@ from gds_offload.store import SpillStore
 # ---------------------------------------------------------------------------- refused forwards
 def test_forward_refused_by_pytorch_leaves_offloader_working(engine: str, tmp_path) -> None:
     """A forward inside ``disable_saved_tensors_hooks`` raises PyTorch's own error; the next
-    ordinary steps still offload and stay exact (before: every later step packed 0 bytes)."""
+    ordinary steps still offload (pack more than 0 bytes) and stay exact."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine) as off:
@@ -47,7 +47,7 @@ def test_forward_refused_by_pytorch_leaves_offloader_working(engine: str, tmp_pa
 
 def test_failed_begin_forward_leaves_offloader_working(engine: str, tmp_path) -> None:
     """on_error='raise': a failed write surfaces at the next forward's start; the forward after
-    that is exact (before: KeyError in begin_layer)."""
+    that is exact (no KeyError in begin_layer)."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine, on_error="raise") as off:
@@ -182,7 +182,7 @@ sys.exit(0 if ok and codes == [0, 0, 0] else 1)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_children_get_their_own_store(engine: str, tmp_path) -> None:
     """Children forked after attach train on their own spill files while the parent trains on
-    (before: they shared the parent's descriptor and slot allocator and overwrote each other's
+    (sharing the parent's descriptor and slot allocator, they would overwrite each other's
     slots). Runs in a fresh interpreter with one intra-op thread, as fork needs."""
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run(
@@ -305,7 +305,7 @@ def _spill_fds(directory: Path) -> tuple[int, int]:
 
 def test_model_dropped_without_detach_releases_its_spill_file(engine: str, tmp_path) -> None:
     """Attach, train, drop the model (no ``detach()``), collect: the engine and store go with
-    the offloader (before: one spill descriptor and 64 MiB held per dropped model)."""
+    the offloader: no spill descriptor and no disk space is held per dropped model."""
     import weakref
 
     refs = []
@@ -343,9 +343,8 @@ def test_offloader_kept_alive_by_a_graph_still_serves_backward(engine: str, tmp_
 
 def test_torchscript_modules_refused_before_anything_is_allocated(tmp_path) -> None:
     """``jit.script`` cannot take hooks and ``jit.trace`` never runs its submodules' hooks (the
-    graph runs whole): both are refused with the fix, and no spill file is opened
-    (before: script leaked a spill descriptor per call; trace offloaded nothing and its
-    ``detach()`` raised AttributeError)."""
+    graph runs whole): both are refused with the fix before a spill file is opened, so no
+    descriptor leaks per call, and a traced module is not silently left unoffloaded."""
     model, inputs = make("mlp")
     for jitted in (torch.jit.script(model), torch.jit.trace(model, inputs)):
         for _ in range(3):

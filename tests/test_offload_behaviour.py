@@ -150,7 +150,7 @@ def test_attach_twice_refused(tmp_path) -> None:
 
 def test_missing_path_created_private(tmp_path) -> None:
     """An explicit path that does not exist is created, parents too, each 0700 whatever the
-    umask (before: refused with "does not exist")."""
+    umask."""
     target = tmp_path / "a" / "b" / "spill"
     old = os.umask(0)
     try:
@@ -221,6 +221,7 @@ def test_bad_arguments(kw: dict, match: str, tmp_path) -> None:
         ({"path": ""}, r"path='' is empty; pass a directory \(the current directory is not assumed\)"),
         ({"path": [Path("/tmp"), 7]}, r"path=\[\.\.\., 7, \.\.\.\] \(int\) is not a directory"),
         ({"path": "/proc/self"}, r"path='/proc/self' is on proc .*holds no files; pass another directory as path="),
+        ({"path": "/sys/kernel"}, r"path='/sys/kernel' is on sysfs .*holds no files; pass another directory as path="),
         ({"path": "/sys/kernel/spill"}, r"path='/sys/kernel/spill' does not exist and cannot be created: /sys/kernel is on sysfs"),
         ({"path": "/tmp/" + "x" * 300}, r"has a name of 300 bytes .*at most 255 bytes per name; pass another directory"),
         ({"path": "/tmp/" + "d/" * 2100}, r"bytes long; the kernel accepts paths under 4096 bytes"),
@@ -235,9 +236,9 @@ def test_bad_arguments(kw: dict, match: str, tmp_path) -> None:
     ],
 )
 def test_bad_arguments_name_the_argument_value_and_fix(kw: dict, match: str, tmp_path) -> None:
-    """Silent coercions and raw errors become ConfigError (before: verify='no' was True,
-    num_threads=True was 1, layers='blocks' one layer per character, path='' the current
-    directory, path=b'..' a TypeError, a long name a raw OSError)."""
+    """No silent coercion (verify='no' is not True, num_threads=True not 1, layers='blocks' not
+    one layer per character, path='' not the current directory) and no raw TypeError, OSError
+    or OverflowError: each is a ConfigError naming the argument, the value and the fix."""
     kw = {"path": tmp_path} | kw
     with pytest.raises(ConfigError, match=match):
         gds_offload.attach(MLP(), mode="posix", **kw)

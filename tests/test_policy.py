@@ -6,6 +6,7 @@ with generous margins; speed targets live in ``gds-offload rok`` / ``bench``.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch
 import gds_offload
 from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.errors import ConfigError
+from gds_offload.io.limits import TokenBucket
+from gds_offload.io.posix import PosixEngine
 from gds_offload.policy import Adaptive, Budget, BudgetError
 from gds_offload.profile import StepProfile, UnitProfile, simulate
 
@@ -153,21 +156,71 @@ def test_adaptive_uncapped_offloads_all_but_the_last(spill_dir) -> None:
     assert offloaded == eligible - {last}, plan
 
 
-def test_adaptive_under_a_bandwidth_cap_stops_stalling(gpt, spill_dir) -> None:
-    model, batch = gpt
-    cap = "150MB/s"
-    with gds_offload.attach(model, path=spill_dir, mode="posix", max_bandwidth=cap) as off:
+class _Timed(torch.autograd.Function):
+    """``x * x`` whose forward and backward each take a fixed wall-clock time (a sleep)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # noqa: ANN001
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        time.sleep(ctx.backward_s)
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad, None, None
+
+
+class _TimedBlock(torch.nn.Module):
+    """Saves two 64 KiB storages; computes 10 ms forward and 20 ms backward, asleep but for
+    about a millisecond, so its step time hardly changes on a busy machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Timed.apply(x * self.scale, 0.010, 0.020)
+
+
+def _timed_step(model: torch.nn.Module, x: torch.Tensor, off: gds_offload.Offloader) -> None:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).sum()
+    off.synchronize()  # every write done before backward: no tensor is served from memory by luck
+    loss.backward()
+
+
+def _on_a_capped_drive(off: gds_offload.Offloader, bytes_per_s: float) -> gds_offload.Offloader:
+    """``off`` moving its bytes at ``bytes_per_s`` with no burst: every transfer of ``n`` bytes
+    takes at least ``n / bytes_per_s`` (``max_bandwidth`` allows a 1 MiB burst, which would
+    let these small transfers through free)."""
+    old = off.engine
+    off.use_engine(PosixEngine(num_threads=1, limiter=TokenBucket(bytes_per_s, burst_bytes=0)))
+    old.close()
+    return off
+
+
+def test_adaptive_under_a_bandwidth_cap_stops_stalling(spill_dir) -> None:
+    """Capped at 400 kB/s, a unit's 128 KiB read takes about 330 ms against 20 ms of backward
+    compute: offloading every unit stalls, and adaptive, having measured both, keeps units
+    until it does not. Compute is sleeps, transfers are paced by the cap, and every write
+    ends before backward, so the outcome does not depend on how busy the machine is."""
+    model, x = torch.nn.Sequential(*(_TimedBlock() for _ in range(4))), torch.randn(16, 1024)
+    cap = 400e3
+    with _on_a_capped_drive(gds_offload.attach(model, path=spill_dir, mode="posix", min_bytes=0), cap) as off:
         for _ in range(2):
-            _step(model, batch)
+            _timed_step(model, x, off)
         stalled = off.stats(reset=True)
-        _step(model, batch)
+        _timed_step(model, x, off)
         all_wait = off.stats().io_wait_seconds
     assert stalled.stalls > 0 and all_wait > 0.1, "the cap must make offload-all wait, or this test shows nothing"
-    with gds_offload.attach(model, path=spill_dir, mode="posix", policy="adaptive", max_bandwidth=cap) as off:
+    with _on_a_capped_drive(gds_offload.attach(model, path=spill_dir, mode="posix", policy="adaptive", min_bytes=0), cap) as off:
         for _ in range(4):  # warm up, profile, plan, settle
-            _step(model, batch)
+            _timed_step(model, x, off)
         off.stats(reset=True)
-        _step(model, batch)
+        _timed_step(model, x, off)
         s = off.stats()
         plan = off.plan()
     assert s.io_wait_seconds < 0.5 * all_wait, (s.io_wait_seconds, all_wait)

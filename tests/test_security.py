@@ -98,7 +98,7 @@ def test_nothing_on_disk_is_interpreted(needle: str) -> None:
 @pytest.mark.parametrize("mode", [0o1777, 0o777, 0o755], ids=oct)
 def test_default_directory_made_by_another_user_refused(mode: int, tmp_path, monkeypatch) -> None:
     """``<tmp>/gds_offload-<uid>`` planted by someone else is refused, with how to choose another
-    path and no advice to chmod a directory the victim does not own (before: 1777 accepted)."""
+    path and no advice to chmod a directory the victim does not own, whatever its mode (1777 too)."""
     monkeypatch.delenv("GDS_OFFLOAD_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     planted = tmp_path / f"gds_offload-{os.getuid()}"
@@ -127,8 +127,8 @@ def test_others_world_writable_directory_refused_without_chmod_advice(tmp_path) 
 
 def test_named_file_fallback_refuses_a_substituted_file(tmp_path, monkeypatch) -> None:
     """Without O_TMPFILE the spill file is a named file unlinked at once. Another user who
-    swaps the name for a file of their own right after it is created must not get our bytes
-    (before: the store reopened the name and wrote into the substitute)."""
+    swaps the name for a file of their own right after it is created must not get our bytes:
+    the store never reopens the name, so it cannot write into the substitute."""
     from gds_offload import store
 
     monkeypatch.setattr(store.os, "O_TMPFILE", 0)  # open(dir, O_RDWR) then fails: the fallback runs
