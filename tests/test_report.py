@@ -95,3 +95,24 @@ def test_headline_of_each_committed_result() -> None:
 
     for section in load_sections(REPO / "docs" / "results"):
         assert headline(section.doc), section.path.name
+
+
+def test_commit_is_dirty_for_code_changes_not_for_result_files(tmp_path: Path) -> None:
+    """A run that rewrites docs/results/ (the previous command's output) still names a clean
+    commit; a changed source file marks it +dirty."""
+    from gds_offload.bench.report import current_commit
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "a.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    (tmp_path / "docs" / "results" / "a.json").write_text('{"new": 1}')
+    commit = current_commit(tmp_path)
+    assert commit and not commit.endswith("+dirty")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert str(current_commit(tmp_path)).endswith("+dirty")

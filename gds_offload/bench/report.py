@@ -60,12 +60,15 @@ class Section:
 
 
 def current_commit(cwd: Path | None = None) -> str | None:
-    """``git rev-parse --short HEAD`` (with ``+dirty`` for uncommitted changes), or None outside a checkout."""
+    """``git rev-parse --short HEAD`` (with ``+dirty`` for uncommitted changes to anything but
+    result files: a run that rewrites ``docs/results/`` has not changed the code that measures),
+    or None outside a checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if head.returncode:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)docs/results"],
+                               cwd=cwd, capture_output=True, text=True, timeout=10)
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
