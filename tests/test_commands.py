@@ -62,9 +62,13 @@ def _cmdline(pid: int) -> str:
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """The command as a user starts it from a terminal: with SIGINT's default disposition, which
+    a runner started in the background (``nohup``, ``cmd &`` without job control) would
+    otherwise pass down as ignored, and Python then installs no KeyboardInterrupt handler."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="120")
     return subprocess.Popen([sys.executable, "-m", "gds_offload.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _cpu_seconds(pid: int) -> float:
