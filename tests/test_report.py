@@ -59,7 +59,7 @@ def test_targets_render_met_missed_and_out_of_reach(tmp_path: Path) -> None:
     page = render_page(load_sections(tmp_path), tmp_path, command="gds-offload report")
     assert "| fast | >= 2 | 2.50 | 3.00 | met |" in page
     assert "| slow | >= 2 | 1.50 | 3.00 | missed |" in page
-    assert "| bound | >= 2 | 1.20 | 1.10 | out of reach here: the ceiling, measured in the same run, is below the need |" in page
+    assert "| bound | >= 2 | 1.20 | 1.10 | out of reach here: a ceiling, measured in the same run, is below the need |" in page
     assert "| absent | >= 1 | - | - | not run |" in page
 
 

@@ -20,6 +20,7 @@ from conftest import real_disk_base  # noqa: E402
 
 from gds_offload.cli import main as cli_main  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.units import parse_bytes  # noqa: E402
 from gds_offload.weights import (  # noqa: E402
     ConfigMismatchError,
     Manifest,
@@ -239,6 +240,77 @@ def test_each_layer_read_once_per_forward(store: Path, ids: torch.Tensor) -> Non
     assert extra == [1] * slots + [0] * (LAYERS - slots)
     assert s.bytes_read == sum(r * n for r, n in zip(s.reads, layer_bytes))
     assert s.misses == 0 and s.wasted_reads == 0 and s.direct
+
+
+def test_max_memory_keeps_as_many_leading_layers_as_fit(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    m = read_manifest(store)
+    assert m.resident is not None
+    layer = max(g.padded_nbytes for g in m.layers)  # the tiny Llama's layers are all one size
+    assert {g.padded_nbytes for g in m.layers} == {layer}
+    r = m.resident.padded_nbytes
+    with torch.no_grad():
+        want = _resident(ckpt)(ids).logits
+        # Resident layers + 2 ring slots: 0 -> r + 2 layers, 1 -> r + 3, 2 or 3 -> r + 4; all 4 (no ring) -> r + 4 too.
+        for budget, resident in ((r + 2 * layer, 0), (r + 3 * layer - 1, 0), (f"{r + 3 * layer}B", 1), (r + 4 * layer, LAYERS), ("1GiB", LAYERS)):
+            with load_streamed(_skeleton(store), store, max_memory=budget) as h:
+                assert torch.equal(h(ids).logits, want) and torch.equal(h(ids).logits, want)
+                s = h.stats()
+            assert s.resident_layers == [g.name for g in m.layers[:resident]], budget
+            assert s.resident_nbytes + s.slots * s.slot_nbytes <= parse_bytes(budget)
+            assert s.loads == [2] * (LAYERS - resident) and s.slots == min(2, LAYERS - resident)
+
+
+def test_max_memory_too_small_or_with_resident_layers_is_refused(store: Path) -> None:
+    m = read_manifest(store)
+    assert m.resident is not None
+    need = m.resident.padded_nbytes + 2 * max(g.padded_nbytes for g in m.layers)
+    with pytest.raises(ConfigError, match=r"holds not even the resident group and the ring.*2 slot\(s\).*or pass fewer slots"):
+        load_streamed(_skeleton(store), store, max_memory=need - 1)
+    with pytest.raises(ConfigError, match="pass one; max_memory chooses resident_layers"):
+        load_streamed(_skeleton(store), store, max_memory="1GiB", resident_layers=1)
+    with pytest.raises(ConfigError, match="max_memory='lots' is not a size"):
+        load_streamed(_skeleton(store), store, max_memory="lots")
+    every = m.resident.padded_nbytes + sum(g.padded_nbytes for g in m.layers)
+    with pytest.raises(ConfigError, match="tier='host' on the CPU holds every layer"):
+        load_streamed(_skeleton(store), store, tier="host", max_memory=every - 1)
+    with load_streamed(_skeleton(store), store, tier="host", max_memory=every) as h:
+        assert len(h.stats().resident_layers) == LAYERS
+
+
+def test_settle_waits_for_the_prefetched_reads(monkeypatch: pytest.MonkeyPatch, ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    import threading
+    import time
+
+    import gds_offload.io.posix as posix_mod
+
+    real, lock, started, ended = os.preadv, threading.Lock(), [0], [0]
+
+    def slow_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:  # a drive slow enough to see
+        with lock:
+            started[0] += 1
+        try:
+            time.sleep(0.2)
+            return real(fd, buffers, offset)
+        finally:
+            with lock:
+                ended[0] += 1
+
+    with torch.no_grad():
+        want = _resident(ckpt)(ids).logits
+        monkeypatch.setattr(posix_mod.os, "preadv", slow_preadv)
+        with load_streamed(_skeleton(store), store, slots=2) as h:
+            h.settle()  # the first forward's first two layers, issued at load
+            assert started[0] == ended[0]
+            started[0] = ended[0] = 0
+            assert torch.equal(h(ids).logits, want)  # its last layer issued the next forward's first two reads
+            t = time.perf_counter()
+            h.settle()
+            assert time.perf_counter() - t > 0.1  # it waited for them
+            # Layers 2 and 3 (0 and 1 were prefetched at load), then the next forward's 0 and 1.
+            assert started[0] == ended[0] == LAYERS
+            time.sleep(0.3)
+            assert started[0] == LAYERS  # nothing was left queued
+            assert torch.equal(h(ids).logits, want) and h.stats().misses == 0
 
 
 def test_layer_called_out_of_order_is_a_miss_not_wrong(ckpt: Path, store: Path) -> None:

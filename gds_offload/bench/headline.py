@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from gds_offload.bench.report import out_of_reach
+
 if TYPE_CHECKING:
     from gds_offload.bench.report import Section
 
@@ -53,7 +55,7 @@ def _targets(doc: dict[str, Any]) -> str | None:
     if not targets:
         return None
     met = sum(bool(t["met"]) for t in targets)
-    bound = sum(not t["met"] and t.get("ceiling") is not None and t["ceiling"] < t["need"] for t in targets)
+    bound = sum(out_of_reach(t) for t in targets)
     return f"{met} of {len(targets)} targets met" + (f", {bound} out of reach on this machine" if bound else "")
 
 

@@ -257,9 +257,10 @@ def _generic(doc: dict[str, Any]) -> list[str]:
 
 
 def _targets(doc: dict[str, Any]) -> list[str]:
-    """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally its
-    ``ceiling``: the same work with no data to move, measured in the same run): met, missed, or
-    out of reach on this machine, where the ceiling falls short of the need."""
+    """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally the
+    bounds in :data:`CEILINGS`, measured in the same run: ``ceiling``, the same work with no data
+    to move; ``drive_ceiling``, the data moved at the drive's raw rate with no work): met, missed,
+    or out of reach on this machine, where a bound falls short of the need."""
     targets = doc.get("targets")
     if not isinstance(targets, list) or not targets:
         return []
@@ -267,13 +268,13 @@ def _targets(doc: dict[str, Any]) -> list[str]:
     head = ["target", "need", "measured", *(name for _, name in ceilings), "verdict"]
     out = ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for t in targets:
-        value, bounds = t.get("value"), [t[k] for k, _ in ceilings if t.get(k) is not None]
+        value = t.get("value")
         if t.get("met") is None:
             verdict = "not run"
         elif t["met"]:
             verdict = "met"
-        elif bounds and min(bounds) < t["need"]:
-            verdict = "out of reach here: the ceiling, measured in the same run, is below the need"
+        elif out_of_reach(t):
+            verdict = "out of reach here: a ceiling, measured in the same run, is below the need"
         else:
             verdict = "missed"
         cells = [str(t["target"]), f">= {t['need']:g}", "-" if value is None else f"{value:.2f}"]
@@ -282,8 +283,14 @@ def _targets(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def out_of_reach(target: dict[str, Any]) -> bool:
+    """A missed target one of whose bounds (:data:`CEILINGS`) is below its need."""
+    bounds = [target[k] for k, _ in CEILINGS if target.get(k) is not None]
+    return not target.get("met") and bool(bounds) and min(bounds) < target["need"]
+
+
 #: The bounds a target may carry, and their column names.
-CEILINGS = (("ceiling", "ceiling: every weight in memory"),)
+CEILINGS = (("ceiling", "ceiling: every weight in memory"), ("drive_ceiling", "ceiling: layers read at the raw drive rate"))
 
 
 #: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).

@@ -120,19 +120,21 @@ def run(args: argparse.Namespace) -> int:
 def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
     from gds_offload.bench.machine import describe_machine
     from gds_offload.units import format_bytes
-    from gds_offload.weights.bench_doc import document, plot
+    from gds_offload.weights.bench_doc import document, fastest_raw, plot
 
     m, spec = report["model"], report["spec"]
     size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])
     cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
-    raw = max((r["bytes_per_s"] for r in report["raw_read"]), default=0) / 1e9
+    raw = (fastest_raw(report) or 0) / 1e9
     loads = [x for r in report["results"] if r.get("load_avg") for x in r["load_avg"]]
     load = f"; the machine's load average went from {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
     about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
              f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
              f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
              f"{spec['rounds']} round(s) interleaved, medians. "
-             f"The drive's raw O_DIRECT read rate in the same run: {raw:.2f} GB/s{load}. On the resident and streamed-host rows, "
+             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; streamed-drive's decode at the "
+             f"smallest batch is also compared with raw passes of as many bytes made just before and after it, in its own process "
+             f"(x raw around it; median of {spec.get('paired_raw', 0)}). On the resident and streamed-host rows, "
              f"x Accelerate is the ceiling a streamer that cost nothing would reach{_interference_line(report)}.")  # fmt: skip
     title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"
     plot_path = None

@@ -101,6 +101,9 @@ class BenchSpec:
     device: str = "cpu"
     #: Measurements per batch size in the child (medians are reported): the load is paid once.
     repeats: int = 2
+    #: ``drive`` at the smallest batch: this many extra generations, each decode bracketed by raw
+    #: ``O_DIRECT`` passes (:func:`~gds_offload.weights.bench_child.run_child`); 0: none.
+    paired_raw: int = 2
     seed: int = 0
 
 
@@ -126,6 +129,10 @@ class ModeResult:
     decode_read_bytes_per_s: float | None = None
     #: Bytes read from storage per decoded token.
     drive_bytes_per_token: float | None = None
+    #: ``drive``, smallest batch: the raw O_DIRECT rate measured around extra decodes, and the decodes'
+    #: read rate over it (medians of the pairs; see :attr:`BenchSpec.paired_raw`).
+    raw_paired_bytes_per_s: float | None = None
+    decode_read_vs_raw: float | None = None
     #: Store bytes the streamed modes filled per forward (their own count).
     store_bytes_per_forward: float | None = None
     #: Time the model's thread waited for reads, per prefill + decode (streamed modes).
@@ -300,7 +307,7 @@ def run_bench(
 def summarize(rows: list[ModeResult]) -> list[dict[str, Any]]:
     """Per (mode, batch): medians over rounds of the figures; ``matches_resident`` only if every round matched."""
     keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_read_bytes_per_s", "drive_bytes_per_token", "prefill_read_bytes",
-            "store_bytes_per_forward", "stall_s", "peak_rss_bytes", "cgroup_peak_bytes", "cgroup_limit_bytes", "cached_fraction_before")  # fmt: skip
+            "store_bytes_per_forward", "raw_paired_bytes_per_s", "decode_read_vs_raw", "stall_s", "peak_rss_bytes", "cgroup_peak_bytes", "cgroup_limit_bytes", "cached_fraction_before")  # fmt: skip
     out = []
     for mode, batch in dict.fromkeys((r.mode, r.batch) for r in rows):
         group = [r for r in rows if (r.mode, r.batch) == (mode, batch)]

@@ -144,9 +144,42 @@ def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
             st0 = handle.stats() if handle else None
             runs = [_generate(model, ids, spec.new_tokens, sync) for _ in range(spec.repeats)]
             st1 = handle.stats() if handle else None
-            yield _result(spec, batch, runs, load_s, st0, st1)
+            r = _result(spec, batch, runs, load_s, st0, st1)
+            if handle is not None and spec.mode == "drive" and batch == min(spec.batch_sizes) and spec.paired_raw:
+                _pair_with_raw(r, model, handle, spec, ids, sync)
+            yield r
     if handle is not None:
         handle.close()
+
+
+def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids: Any, sync: Any) -> None:
+    """Set ``r.raw_paired_bytes_per_s`` and ``r.decode_read_vs_raw``: ``spec.paired_raw`` more
+    generations, each one's decode bracketed by raw ``O_DIRECT`` passes over as many bytes of
+    the store as a forward streams (as many reads in flight as the engine keeps, the same
+    chunks), the drive idle otherwise (:meth:`StreamedModel.settle`). A drive whose rate drifts
+    over minutes is then compared with itself seconds apart, not with a pass made before
+    every mode. These runs are not the measured ones: the settled prefetch would favour a prefill."""
+    from gds_offload.weights.bench import weight_files
+    from gds_offload.weights.drive import raw_read_bandwidth
+    from gds_offload.weights.stream import DEFAULT_THREADS
+
+    data = weight_files(Path(spec.checkpoint), Path(spec.store))[-1]
+    nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in set(handle.stats().streamed_layers))
+    depth = spec.num_threads or DEFAULT_THREADS
+
+    def raw() -> float:
+        handle.settle()
+        return raw_read_bandwidth(data, depths=(depth,), max_bytes=nbytes)[0].bytes_per_s
+
+    before, ratios, raws = raw(), [], []
+    for _ in range(spec.paired_raw):
+        run = _generate(model, ids, spec.new_tokens, sync)
+        after = raw()
+        rate, bracket = run["decode_read"] / run["decode_s"], (before + after) / 2
+        ratios.append(rate / bracket)
+        raws.append(bracket)
+        before = after
+    r.raw_paired_bytes_per_s, r.decode_read_vs_raw = statistics.median(raws), statistics.median(ratios)
 
 
 def _result(spec: BenchSpec, batch: int, runs: list[dict[str, Any]], load_s: float, st0: Any, st1: Any) -> ModeResult:

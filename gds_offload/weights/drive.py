@@ -99,7 +99,7 @@ def raw_read_bandwidth(path: Path, *, depths: tuple[int, ...] = (1, 4, 8), chunk
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size // 4096 * 4096
-            size = min(size, max_bytes) if max_bytes else size
+            size = min(size, max_bytes // 4096 * 4096) if max_bytes else size
             start = time.perf_counter()
             moved = _read_pass(fd, size, depth, chunk_bytes)
             out.append(RawRead(depth, chunk_bytes, moved, time.perf_counter() - start))

@@ -82,6 +82,10 @@ class Ring:
     def drop(self, fill: Fill) -> None:
         """A fill no layer will use: wait until it no longer writes its slot (errors ignored)."""
 
+    def settle(self, fill: Fill) -> None:
+        """Block the calling thread until ``fill`` has finished (successfully or not); it stays
+        usable, and :meth:`wait` still reports its error."""
+
     def release(self, slot: int) -> None:
         """The layer that used ``slot`` has been queued: no fill may write ``slot`` before it finishes."""
 
@@ -118,6 +122,10 @@ class HostRing(Ring):
     def drop(self, fill: Fill) -> None:
         if fill.future is not None:
             fill.future.error()  # waits; the error of a read nobody uses does not matter
+
+    def settle(self, fill: Fill) -> None:
+        if fill.future is not None:
+            fill.future.error()  # waits; wait() raises the error later, where the layer needs it
 
 
 class DeviceRing(HostRing):
@@ -174,6 +182,9 @@ class PinnedRing(Ring):
     def wait(self, group: GroupEntry, fill: Fill) -> None:
         # Captures the fill's record as it is now; the slot's next fill records again only after release.
         torch.cuda.current_stream(self.device).wait_event(fill.event)
+
+    def settle(self, fill: Fill) -> None:
+        fill.event.synchronize()
 
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))

@@ -53,7 +53,9 @@ from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
 from gds_offload.io.select import validate_mode
+from gds_offload.units import parse_bytes
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
+from gds_offload.weights.budget import plan_residency
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
 from gds_offload.weights.ring import Fill, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
@@ -110,7 +112,8 @@ def load_streamed(
     device: str | torch.device = "cpu",
     tier: Tier = "drive",
     slots: int = 2,
-    resident_layers: int = 0,
+    resident_layers: int | None = None,
+    max_memory: int | str | None = None,
     verify: bool = False,
     engine: str = "auto",
     num_threads: int | None = None,
@@ -127,7 +130,12 @@ def load_streamed(
             layers are read once into host memory (pinned, and copied into the ring on a GPU).
         slots: ring buffers for streamed layers (``>= 1``; 2 overlaps one fill with one layer's
             compute; capped at the number of streamed layers).
-        resident_layers: how many of the first layers to keep on ``device`` like the resident group.
+        resident_layers: how many of the first layers to keep on ``device`` like the resident group
+            (default 0, or what ``max_memory`` allows).
+        max_memory: bytes (or ``"6GiB"``) of ``device`` memory for weights: the resident group, the
+            ring, and as many leading layers as fit beside them
+            (:func:`~gds_offload.weights.budget.plan_residency`; activations and the KV cache are
+            not counted). With ``tier="host"`` on the CPU every layer is held, and must fit.
         verify: check each group's xxh3-64 after every read (:class:`StoreCorruptError` names the layer).
         engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
             compat, else posix), ``gds``, ``compat``, ``posix``.
@@ -142,8 +150,9 @@ def load_streamed(
         StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
+    budget = None if max_memory is None else parse_bytes(max_memory, name="max_memory")
     return StreamedModel(model, store, device=device, tier=tier, slots=slots, resident_layers=resident_layers,
-                         verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
+                         max_memory=budget, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -174,7 +183,8 @@ class StreamedModel:
         device: str | torch.device,
         tier: Tier,
         slots: int,
-        resident_layers: int,
+        resident_layers: int | None,
+        max_memory: int | None,
         verify: bool,
         engine: str,
         num_threads: int | None,
@@ -189,14 +199,14 @@ class StreamedModel:
         first = store[0] if isinstance(store, (list, tuple)) else store
         manifest = read_manifest(first)
         layers = manifest.layers
-        if not 0 <= resident_layers <= len(layers):
-            raise ConfigError(f"resident_layers={resident_layers}: the store has {len(layers)} layers; use 0..{len(layers)}")
+        plan = plan_residency(manifest.resident, layers, slots=slots, max_memory=max_memory, resident_layers=resident_layers,
+                              hold_all=tier == "host" and dev.type == "cpu")  # fmt: skip
         check_config(model, manifest, Path(first))
         self.binding: Binding = bind(model, manifest, where=str(first))
         self.model, self.manifest, self.verify, self.device = model, manifest, verify, dev
         self._dirs = resolve_dirs(store, manifest)
         # Allocate.
-        in_memory = layers if (tier == "host" and dev.type == "cpu") else layers[:resident_layers]
+        in_memory = layers[: plan.resident_layers]
         self._streamed: list[GroupEntry] = layers[len(in_memory) :]
         self._files = StoreFiles(self._dirs, manifest)
         self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
@@ -261,6 +271,14 @@ class StreamedModel:
         """A copy of the counters."""
         s = self._stats
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads)}))
+
+    def settle(self) -> None:
+        """Block until the fills in flight (the next forward's first layers, prefetched after the
+        last layer) have landed. They stay for that forward, which reports any read error; the
+        drive is idle afterwards until the next forward starts (e.g. before timing something else)."""
+        for fill in self._inflight:
+            assert self._ring is not None, "fills without a ring"
+            self._ring.settle(fill)
 
     def close(self) -> None:
         """Wait for fills in flight (and, on CUDA, for the device), remove the hooks, close the
