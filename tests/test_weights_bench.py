@@ -73,6 +73,46 @@ def test_memory_cap_refuses_the_caller_itself(tmp_path: Path) -> None:
     assert not cap.path.exists()
 
 
+def test_streamed_drive_runs_under_a_memory_cgroup() -> None:
+    """The drive mode in a child inside a cgroup v1 memory group: the cap is recorded and held,
+    and its outputs equal the resident child's."""
+    ok, why = cap_available()
+    if not ok:
+        pytest.skip(f"needs root and the cgroup v1 memory controller: {why}")
+    from dataclasses import replace
+
+    from gds_offload.weights.bench import TINY, BenchSpec, prepare, run_mode
+
+    work = real_disk_base() / f"gds_offload-bench-weights-cap-{os.getpid()}"
+    try:
+        ckpt, store = prepare(TINY, work)
+        spec = BenchSpec("resident", str(ckpt), str(store), str(work), batch_sizes=(2,), repeats=1, paired_raw=0)
+        (ref,) = run_mode(spec)
+        (got,) = run_mode(replace(spec, mode="drive"), memory_limit=1 << 30)
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    assert ref.status == got.status == "ok", (ref.error, got.error)
+    assert got.cgroup_limit_bytes == 1 << 30 and 0 < (got.cgroup_peak_bytes or 0) <= 1 << 30
+    assert ref.cgroup_limit_bytes is None
+    assert got.tokens == ref.tokens and got.logits_xxh3 == ref.logits_xxh3
+
+
+def test_raw_read_passes_cycle_through_a_window() -> None:
+    from gds_offload.weights.drive import raw_read_bandwidth
+
+    path = real_disk_base() / f"gds_offload-raw-{os.getpid()}.bin"
+    try:
+        path.write_bytes(os.urandom(20 << 20))
+        mib = 1 << 20
+        passes = raw_read_bandwidth(path, depths=(1, 3), chunk_bytes=4 * mib, max_bytes=13 * mib + 123, window_bytes=8 * mib)
+    finally:
+        path.unlink(missing_ok=True)
+    assert [(r.depth, r.nbytes, r.window_bytes) for r in passes] == [(1, 13 * mib, 8 * mib), (3, 13 * mib, 12 * mib)]  # >= depth chunks
+    assert all(r.seconds > 0 and r.bytes_per_s > 0 for r in passes)
+
+
 def _row(mode: str, batch: int, prefill: float, decode: float, **kw: float) -> dict[str, object]:
     return {"mode": mode, "batch": batch, "rounds_ok": 1, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode} | kw
 
