@@ -4,6 +4,7 @@ random weights saved with save_pretrained; nothing is downloaded."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -199,6 +200,24 @@ def test_cli_convert_with_check(base: Path, ckpt: Path, capsys: pytest.CaptureFi
     assert result["converted"]["layers"] == LAYERS and result["check"]["ok"] is True
     assert cli_main(["convert", str(base / "nothing-here"), str(base / "store-none")]) == 2
     assert "neither model.safetensors" in capsys.readouterr().err
+
+
+def test_convert_and_check_report_progress(base: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[str, int, int]] = []
+    m = convert(ckpt, base / "store-progress", progress=lambda *a: seen.append(a))
+    total = m.total_nbytes()
+    assert [name for name, _, _ in seen] == [g.name for g in m.groups]
+    assert [done for _, done, _ in seen] == list(itertools.accumulate(g.nbytes for g in m.groups)) and seen[-1][1:] == (total, total)
+    checked: list[tuple[str, int, int]] = []
+    verify_store(base / "store-progress", progress=lambda *a: checked.append(a))
+    assert sorted(name for name, _, _ in checked) == sorted(g.name for g in m.groups) and checked[-1][1:] == (total, total)
+    # The command draws a bar on a terminal (TTY_COMPATIBLE=1 makes rich treat stderr as one), not with --json.
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    assert cli_main(["convert", str(ckpt), str(base / "store-bar"), "--check"]) == 0
+    err = capsys.readouterr().err
+    assert "converting" in err and "checking" in err
+    assert cli_main(["convert", str(ckpt), str(base / "store-bar"), "--check", "--force", "--json"]) == 0
+    assert "converting" not in capsys.readouterr().err
 
 
 # -- streaming ---------------------------------------------------------------------------------

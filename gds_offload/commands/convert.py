@@ -30,6 +30,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+class _Bar:
+    """A rich bar on stderr, in bytes, for ``convert``'s and ``verify_store``'s ``progress``; drawn only on a terminal."""
+
+    def __init__(self, label: str, *, quiet: bool) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+        console = Console(stderr=True)
+        self._bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                             TextColumn("{task.description}"), console=console, transient=True, disable=quiet or not console.is_terminal)  # fmt: skip
+        self._task = self._bar.add_task("", total=None)
+
+    def __enter__(self) -> _Bar:
+        self._bar.__enter__()
+        return self
+
+    def __call__(self, group: str, done: int, total: int) -> None:
+        self._bar.update(self._task, completed=done, total=total, description=group)
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(None, None, None)
+
+
 def run(args: argparse.Namespace) -> int:
     from gds_offload.errors import ConfigError
     from gds_offload.units import format_bytes
@@ -44,15 +67,17 @@ def run(args: argparse.Namespace) -> int:
             outs = args.paths
         else:
             ckpt, outs = args.paths[0], args.paths[1:]
-            m = convert(ckpt, [str(o) for o in outs] if len(outs) > 1 else outs[0], layer_prefix=args.layer_prefix,
-                        tensor_align=args.tensor_align, overwrite=args.force)  # fmt: skip
+            with _Bar("converting", quiet=args.json) as bar:
+                m = convert(ckpt, [str(o) for o in outs] if len(outs) > 1 else outs[0], layer_prefix=args.layer_prefix,
+                            tensor_align=args.tensor_align, overwrite=args.force, progress=bar)  # fmt: skip
             result["converted"] = {"store": [str(o) for o in outs], "layers": len(m.layers), "layer_prefix": m.layer_prefix,
                                    "tensors": len(m.tensors), "nbytes": m.total_nbytes(), "config_sha256": m.config_sha256}  # fmt: skip
             if not args.json:
                 print(f"converted {ckpt} -> {', '.join(map(str, outs))}: {len(m.tensors)} tensors, {len(m.layers)} layers "
                       f"({m.layer_prefix}.*), {format_bytes(m.total_nbytes())}")  # fmt: skip
         if args.check:
-            c = verify_store([str(o) for o in outs] if len(outs) > 1 else outs[0])
+            with _Bar("checking", quiet=args.json) as bar:
+                c = verify_store([str(o) for o in outs] if len(outs) > 1 else outs[0], progress=bar)
             result["check"] = {"ok": True, "groups": c.groups, "nbytes": c.nbytes, "seconds": round(c.seconds, 3)}
             if not args.json:
                 print(f"check: all {c.groups} groups match their checksums ({format_bytes(c.nbytes)} in {c.seconds:.2f} s)")

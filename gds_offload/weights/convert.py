@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ from gds_offload.weights.manifest import MANIFEST_NAME, FileEntry, GroupEntry, M
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
 
 __all__ = ["convert", "verify_store", "StoreCheck", "free_bytes", "DATA_NAME"]
+
+#: ``progress(group, done_bytes, total_bytes)``: how far a conversion or a check has come.
+Progress = Callable[[str, int, int], None]
 
 DATA_NAME = "weights.bin"
 #: Room kept free beyond the data files (manifest, configs).
@@ -70,6 +74,7 @@ def convert(
     layer_prefix: str | None = None,
     tensor_align: int = 64,
     overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> Manifest:
     """Convert a safetensors checkpoint into a weight store laid out for GPUDirect Storage.
 
@@ -82,6 +87,8 @@ def convert(
         layer_prefix: the module path of the repeated blocks (default: found from the names).
         tensor_align: alignment of tensors inside a group (divides 4096).
         overwrite: replace a store already in ``out``.
+        progress: ``progress(group, done_bytes, total_bytes)``, on the calling thread once each
+            group is packed and its write issued (``gds-offload convert`` draws a bar with it).
 
     Returns:
         The manifest written to ``<out>/manifest.json``.
@@ -114,7 +121,7 @@ def convert(
     fds = _reserve(dirs, sizes)
     ok = False
     try:
-        manifest.groups = _write_groups(ckpt, manifest, fds)
+        manifest.groups = _write_groups(ckpt, manifest, fds, progress)
         for fd, _ in fds:
             os.fsync(fd)
         ok = True
@@ -137,8 +144,9 @@ def convert(
     return manifest
 
 
-def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]]) -> StoreCheck:
-    """Re-read every group of a store and check its xxh3-64 checksum.
+def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]], *, progress: Progress | None = None) -> StoreCheck:
+    """Re-read every group of a store and check its xxh3-64 checksum; ``progress(group, done_bytes,
+    total_bytes)`` after each group is checked (on the calling thread).
 
     Raises:
         StoreCorruptError: the first group (in file order) whose bytes differ, by layer name.
@@ -155,12 +163,21 @@ def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]]) -
         buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
         order = sorted(manifest.groups, key=lambda g: (g.file, g.offset))
         pending: list[tuple[GroupEntry, IOFuture]] = []
+        total, done = manifest.total_nbytes(), 0
+
+        def check(g: GroupEntry, f: IOFuture) -> None:
+            nonlocal done
+            _wait_checked(g, f)
+            done += g.nbytes
+            if progress is not None:
+                progress(g.name, done, total)
+
         for i, g in enumerate(order):
             pending.append((g, read_group(engine, files, g, buffers[i % 2], verify=True)))
             if len(pending) == 2:
-                _wait_checked(*pending.pop(0))
+                check(*pending.pop(0))
         for item in pending:
-            _wait_checked(*item)
+            check(*item)
     finally:
         engine.close()
         files.close()
@@ -243,8 +260,9 @@ def _reserve(dirs: list[Path], sizes: list[int]) -> list[tuple[int, bool]]:
     return fds
 
 
-def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]]) -> list[GroupEntry]:
+def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]], progress: Progress | None) -> list[GroupEntry]:
     """Pack, hash and write every group; returns the groups with their checksums."""
+    total, issued = manifest.total_nbytes(), 0
     files = [SpillFile(id=i, dir=Path(manifest.dirs[manifest.files[i].dir]), fd=fd, direct=direct) for i, (fd, direct) in enumerate(fds)]
     largest = max((g.padded_nbytes for g in manifest.groups), default=0)
     buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
@@ -269,6 +287,9 @@ def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, boo
                 done.append(GroupEntry(g.name, g.layer, g.file, g.offset, g.nbytes, checksum(data)))
                 if g.nbytes:
                     in_flight[i % 2] = engine.write(data, Slot(files[g.file], g.offset, g.padded_nbytes))
+                issued += g.nbytes
+                if progress is not None:
+                    progress(g.name, issued, total)
         for f in in_flight:
             if f is not None:
                 f.wait()
