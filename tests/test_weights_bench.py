@@ -30,7 +30,7 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
     doc = json.loads(out.read_text())
     rows = {r["mode"]: r for r in doc["results"]}
-    assert rc == 0 and set(rows) == {"resident", "drive", "accelerate-disk"}
+    assert rc == 0 and set(rows) == {"resident", "drive", "accelerate-disk"} and len(doc["results"]) == 3  # one row per mode and batch
     for r in rows.values():
         assert r["status"] == "ok" and r["matches_resident"] is True, r
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and len(r["tokens"][0]) == 4

@@ -101,8 +101,8 @@ class BenchSpec:
     device: str = "cpu"
     #: Measurements per batch size in the child (medians are reported): the load is paid once.
     repeats: int = 2
-    #: ``drive`` at the smallest batch: this many extra generations, each decode bracketed by raw
-    #: ``O_DIRECT`` passes (:func:`~gds_offload.weights.bench_child.run_child`); 0: none.
+    #: ``drive``, first batch size: this many extra generations after the measured runs, each
+    #: decode bracketed by raw ``O_DIRECT`` passes (:func:`~gds_offload.weights.bench_child.run_child`); 0: none.
     paired_raw: int = 2
     seed: int = 0
 
@@ -129,7 +129,7 @@ class ModeResult:
     decode_read_bytes_per_s: float | None = None
     #: Bytes read from storage per decoded token.
     drive_bytes_per_token: float | None = None
-    #: ``drive``, smallest batch: the raw O_DIRECT rate measured around extra decodes, and the decodes'
+    #: ``drive``, first batch size: the raw O_DIRECT rate measured around extra decodes, and the decodes'
     #: read rate over it (medians of the pairs; see :attr:`BenchSpec.paired_raw`).
     raw_paired_bytes_per_s: float | None = None
     decode_read_vs_raw: float | None = None
@@ -225,7 +225,8 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     finally:
         reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
         rep = cap.close() if cap is not None else None
-    rows = [json.loads(line[len(PREFIX):]) for line in out.splitlines() if line.startswith(PREFIX)]
+    # A batch's last line wins: the drive child repeats its first batch's line with the raw pairs.
+    rows = list({r["batch"]: r for r in (json.loads(line[len(PREFIX):]) for line in out.splitlines() if line.startswith(PREFIX))}.values())
     if proc.returncode != 0:  # the batch sizes it did not report failed
         why = f"child exited {proc.returncode}" + (" (killed: out of memory under the cap?)" if proc.returncode == -9 else "")
         tail = " | ".join(err.strip().splitlines()[-3:])

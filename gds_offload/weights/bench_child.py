@@ -125,7 +125,8 @@ def _generate(model: Any, ids: Any, new_tokens: int, sync: Any) -> dict[str, Any
 
 def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
     """Measure ``spec.mode`` in this process (see the module doc); yields each batch size's
-    result as soon as it is measured (a child killed by its memory cap keeps the smaller ones)."""
+    result as soon as it is measured (a child killed by its memory cap keeps the smaller ones),
+    then, for ``drive`` with ``spec.paired_raw``, the first batch's result again with its pairs."""
     import torch
 
     torch.manual_seed(spec.seed)
@@ -139,15 +140,19 @@ def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
     vocab = model.config.vocab_size
     with torch.no_grad():
         _generate(model, torch.zeros(1, 8, dtype=torch.long, device=spec.device), 2, sync)  # warm-up: one-time costs
+        first: tuple[ModeResult, Any] | None = None  # the first batch's result and its inputs
         for batch in spec.batch_sizes:
             ids = torch.randint(0, vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed + batch)).to(spec.device)
             st0 = handle.stats() if handle else None
             runs = [_generate(model, ids, spec.new_tokens, sync) for _ in range(spec.repeats)]
             st1 = handle.stats() if handle else None
             r = _result(spec, batch, runs, load_s, st0, st1)
-            if handle is not None and spec.mode == "drive" and batch == min(spec.batch_sizes) and spec.paired_raw:
-                _pair_with_raw(r, model, handle, spec, ids, sync)
+            first = first or (r, ids)
             yield r
+        if handle is not None and spec.mode == "drive" and spec.paired_raw and first is not None:
+            # After every measured run, so that none starts with a prefetch these left settled.
+            _pair_with_raw(first[0], model, handle, spec, first[1], sync)
+            yield first[0]  # again, with the pairs: the parent keeps a batch's last line
     if handle is not None:
         handle.close()
 
@@ -158,7 +163,7 @@ def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids:
     the store as a forward streams (as many reads in flight as the engine keeps, the same
     chunks), the drive idle otherwise (:meth:`StreamedModel.settle`). A drive whose rate drifts
     over minutes is then compared with itself seconds apart, not with a pass made before
-    every mode. These runs are not the measured ones: the settled prefetch would favour a prefill."""
+    every mode. These runs come after the measured ones: a prefetch they left settled would favour a prefill."""
     from gds_offload.weights.bench import weight_files
     from gds_offload.weights.drive import raw_read_bandwidth
     from gds_offload.weights.stream import DEFAULT_THREADS
