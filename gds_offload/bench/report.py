@@ -290,7 +290,7 @@ def out_of_reach(target: dict[str, Any]) -> bool:
 
 
 #: The bounds a target may carry, and their column names.
-CEILINGS = (("ceiling", "ceiling: every weight in memory"), ("drive_ceiling", "ceiling: layers read at the raw drive rate"))
+CEILINGS = (("ceiling", "ceiling: every weight in memory"), ("drive_ceiling", "ceiling: layers read at the fastest rate measured"))
 
 
 #: How each kind of result file renders, by its ``kind`` (``bench`` when absent and it has results).
