@@ -259,7 +259,7 @@ def _generic(doc: dict[str, Any]) -> list[str]:
 def _targets(doc: dict[str, Any]) -> list[str]:
     """The targets a result file checked (``{"target", "need", "value", "met"}``, optionally the
     bounds in :data:`CEILINGS`, measured in the same run: ``ceiling``, the same work with no data
-    to move; ``drive_ceiling``, the data moved at the drive's raw rate with no work): met, missed,
+    to move; ``drive_ceiling``, the data moved at the fastest rate measured, with no work): met, missed,
     or out of reach on this machine, where a bound falls short of the need."""
     targets = doc.get("targets")
     if not isinstance(targets, list) or not targets:

@@ -169,7 +169,8 @@ def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids:
     from gds_offload.weights.stream import DEFAULT_THREADS
 
     data = weight_files(Path(spec.checkpoint), Path(spec.store))[-1]
-    nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in set(handle.stats().streamed_layers))
+    streamed = set(handle.stats().streamed_layers)
+    nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in streamed)
     depth = spec.num_threads or DEFAULT_THREADS
 
     def raw() -> float:

@@ -51,7 +51,7 @@ def fastest_raw(report: dict[str, Any]) -> float | None:
 def fastest_read(report: dict[str, Any]) -> float | None:
     """The fastest read rate the run measured, bytes/s: :func:`fastest_raw`, or what the drive mode's
     prefill or decode drew in any round (``results``, else ``summary``)."""
-    rows = [r for r in report.get("results") or report["summary"] if r["mode"] == "drive" and r.get("rounds_ok", r.get("status") == "ok")]
+    rows = [r for r in report.get("results") or report["summary"] if r["mode"] == "drive" and r.get("status", "ok") == "ok"]
     drawn = [r.get("decode_read_bytes_per_s") or 0 for r in rows]
     drawn += [r["prefill_read_bytes"] / r["prefill_s"] for r in rows if r.get("prefill_read_bytes") and r.get("prefill_s")]
     return max([x for x in [fastest_raw(report), *drawn] if x], default=None)

@@ -50,11 +50,8 @@ def plan_residency(resident: GroupEntry | None, layers: list[GroupEntry], *, slo
     """
     if resident_layers is not None and max_memory is not None:
         raise ConfigError(f"resident_layers={resident_layers} and max_memory={max_memory}: pass one; max_memory chooses resident_layers")
-    if resident_layers is not None:
-        if not 0 <= resident_layers <= len(layers):
-            raise ConfigError(f"resident_layers={resident_layers}: the store has {len(layers)} layers; use 0..{len(layers)}")
-        if not hold_all:
-            return _split(resident, layers, resident_layers, slots)
+    if resident_layers is not None and not 0 <= resident_layers <= len(layers):
+        raise ConfigError(f"resident_layers={resident_layers}: the store has {len(layers)} layers; use 0..{len(layers)}")
     if hold_all:
         held = _split(resident, layers, len(layers), slots)
         if max_memory is not None and held.nbytes > max_memory:
@@ -62,7 +59,7 @@ def plan_residency(resident: GroupEntry | None, layers: list[GroupEntry], *, slo
                               f"{format_bytes(held.nbytes)} in all; raise max_memory or use tier='drive'")  # fmt: skip
         return held
     if max_memory is None:
-        return _split(resident, layers, 0, slots)
+        return _split(resident, layers, resident_layers or 0, slots)
     # More resident layers can need less in all (the ring shrinks once fewer layers than slots
     # remain), so every split is tried rather than stopping at the first that does not fit.
     fits = [s for s in (_split(resident, layers, n, slots) for n in range(len(layers) + 1)) if s.nbytes <= max_memory]
