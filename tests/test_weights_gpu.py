@@ -122,3 +122,29 @@ def test_cuda_close_leaves_resident_tensors_on_the_gpu(ckpt_store: tuple[Path, P
     h.close()  # idempotent
     assert h.model.model.embed_tokens.weight.is_cuda and h.model.model.layers[0].mlp.up_proj.weight.is_meta
     assert h.model.model.rotary_emb.inv_freq.is_cuda
+
+
+@pytest.mark.parametrize("tier", ["drive", "host"])
+def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
+    """Gradients to the resident tensors through one-slot streamed layers on the GPU (the weights
+    read again for backward, :mod:`gds_offload.weights.backward`), with the GPU slowed as above."""
+    ckpt, store = ckpt_store
+    train = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+    def step(model: torch.nn.Module) -> list[torch.Tensor]:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in train)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        params = dict(model.named_parameters())
+        return [loss.detach()] + [params[n].grad for n in train]
+
+    want = step(_resident(ckpt).cuda())
+    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+        hooks = _slow_layers(h)
+        got = step(h.model)
+        for hook in hooks:
+            hook.remove()
+        assert h.stats().backward_reads == [1] * len(h.stats().streamed_layers)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -14,6 +14,7 @@ once, all of it: :class:`~gds_offload.weights.errors.WeightsMismatchError`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +114,9 @@ def _listing(title: str, items: list[str]) -> str:
     return f"\n  {title} ({len(items)}): {shown}"
 
 
-def bind(model: nn.Module, manifest: Manifest, *, where: str) -> Binding:
-    """Match ``model`` to ``manifest``.
+def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[str], str | None] | None = None) -> Binding:
+    """Match ``model`` to ``manifest``. ``rename(model_name)``: the store's name for a model
+    tensor, or ``None`` for one no store holds (LoRA adapters, :mod:`gds_offload.weights.adapters`).
 
     Raises:
         WeightsMismatchError: some model tensors are not in the store (missing), some store
@@ -127,7 +129,10 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str) -> Binding:
     misshaped: list[str] = []
     binding = Binding()
     for targets in _model_tensors(model).values():
-        names = [t.name for t in targets]
+        renamed = [rename(t.name) if rename else t.name for t in targets]
+        if any(n is None for n in renamed):
+            continue
+        names = [n for n in renamed if n is not None]
         stored = [n for n in names if n in entries]
         used.update(stored)
         if not stored:

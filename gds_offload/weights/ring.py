@@ -22,11 +22,13 @@ One interface, three rings (:func:`make_ring` picks one):
   makes the compute stream wait for that event, so the CPU never blocks.
 
 Buffer ownership: the ring owns its buffers and the arena; :meth:`Ring.close` waits for
-every fill and for the device before letting them go.
+every fill and for the device before letting them go. A buffer of :meth:`Ring.fetch` (a layer
+read again for backward, :mod:`gds_offload.weights.backward`) belongs to whoever holds it.
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +94,13 @@ class Ring:
     def close(self) -> None:
         """Wait for fills in flight and for the device; free the buffers. Idempotent."""
 
+    def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
+        """Start reading ``group`` into a new buffer on the ring's device, outside the slots;
+        returns at once. The returned waiter blocks until the bytes are there (raising as
+        :meth:`wait` does, and again on every call after a failure) and returns the buffer
+        (uint8, ``group.padded_nbytes``, page-aligned), visible to every stream. Any thread."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read a layer outside its slots")
+
 
 def wait_read(group: GroupEntry, future: IOFuture) -> None:
     """Block on a read of ``group``; an I/O error is re-raised naming the layer."""
@@ -127,6 +136,18 @@ class HostRing(Ring):
         if fill.future is not None:
             fill.future.error()  # waits; wait() raises the error later, where the layer needs it
 
+    def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
+        return self._fetch_into(group, aligned_host_buffer(group.padded_nbytes), None)
+
+    def _fetch_into(self, group: GroupEntry, buf: torch.Tensor, ready: Any) -> Callable[[], torch.Tensor]:
+        future = read_group(self.engine, self.files, group, buf, verify=self.verify, ready=ready)
+
+        def done() -> torch.Tensor:
+            wait_read(group, future)
+            return buf
+
+        return done
+
 
 class DeviceRing(HostRing):
     """Device slots filled by engine reads, each guarded by its release event (see the module doc)."""
@@ -145,6 +166,13 @@ class DeviceRing(HostRing):
 
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
+
+    def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
+        buf = _aligned_device_buffer(group.padded_nbytes, self.device)
+        # The caching allocator may hand out memory that queued kernels still read.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return self._fetch_into(group, buf, ready)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -188,6 +216,11 @@ class PinnedRing(Ring):
 
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
+
+    def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
+        base = self.bases[group.name]
+        # A synchronous copy from the arena: done when it returns, for every stream.
+        return lambda: self.arena[base : base + group.padded_nbytes].to(self.device)
 
     def close(self) -> None:
         if self._closed:

@@ -30,10 +30,16 @@ before the layer may use it.
 parameters point straight at it (a copy into a ring would only move bytes the model can
 use where they are); nothing happens per forward.
 
-.. warning:: One forward at a time, inference only
+With grad mode on, a streamed layer's forward also runs under saved-tensor hooks
+(:mod:`gds_offload.weights.backward`): the weights autograd saves are read again for
+backward instead of pointing into a slot that is refilled, so gradients to the inputs and
+to trainable resident tensors equal the resident model's. The post-hook is registered with
+``always_call=True``, so a forward that raises still pops them and frees the slot.
+
+.. warning:: One forward at a time; streamed parameters are frozen
    The hooks keep one prediction of the next layer, so two threads running the model at
-   once, or autograd (parameters are created with ``requires_grad=False``), are not
-   supported. A streamed layer's parameters are meta tensors outside its forward.
+   once are not supported. A streamed layer's parameters are meta tensors outside its
+   forward, and ``requires_grad=False`` during it: they are never trained.
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
 from gds_offload.io.select import validate_mode
 from gds_offload.units import parse_bytes
+from gds_offload.weights.adapters import unwrap
+from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
@@ -100,6 +108,8 @@ class StreamStats:
     wasted_reads: int = 0
     #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
     stall_s: float = 0.0
+    #: Times each layer was read again for backward (the weights autograd saved from it).
+    backward_reads: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,8 +211,9 @@ class StreamedModel:
         layers = manifest.layers
         plan = plan_residency(manifest.resident, layers, slots=slots, max_memory=max_memory, resident_layers=resident_layers,
                               hold_all=tier == "host" and dev.type == "cpu")  # fmt: skip
-        check_config(model, manifest, Path(first))
-        self.binding: Binding = bind(model, manifest, where=str(first))
+        base, adapters = unwrap(model)  # a PeftModel: its transformers model, and the LoRA adapters on it
+        check_config(base, manifest, Path(first))
+        self.binding: Binding = bind(base, manifest, where=str(first), rename=adapters.store_name)
         self.model, self.manifest, self.verify, self.device = model, manifest, verify, dev
         self._dirs = resolve_dirs(store, manifest)
         # Allocate.
@@ -216,6 +227,7 @@ class StreamedModel:
         self._current: tuple[int, int] | None = None
         self._closed = False
         self._ring: Ring | None = None
+        self._saved: SavedWeights | None = None
         try:
             self._loader = PosixEngine(num_threads=num_threads or DEFAULT_THREADS, read_pool_bytes=0)
             self._res.append(self._loader)
@@ -224,12 +236,14 @@ class StreamedModel:
                 reads = make_read_engine(engine, dev, self._dirs[0], num_threads)
                 self._res.append(reads)
             resident_nbytes = self._load_resident(([manifest.resident] if manifest.resident else []) + in_memory)
-            rebuild_meta_buffers(model, dev)
-            _move_free_buffers(model, dev)
+            rebuild_meta_buffers(base, dev)
+            _move_free_buffers(base, dev)
+            adapters.materialize(dev)
             self._ring = make_ring(tier=tier, device=dev, engine=reads, files=self._files, groups=self._streamed,
                                    slots=slots, verify=verify, load=self._read_arena)  # fmt: skip
             if self._ring is not None:
                 self._res.append(self._ring)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]))
             ring = self._ring.buffers if self._ring else []
             self._free = list(range(len(ring)))[::-1]
             self._views = [[self._slot_views(g, buf) for buf in ring] for g in self._streamed]
@@ -250,9 +264,9 @@ class StreamedModel:
             )
             # Register.
             for pos, g in enumerate(self._streamed):
-                layer = model.get_submodule(g.name)
+                layer = base.get_submodule(g.name)
                 self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._pre, pos)))
-                self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos)))
+                self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             self._next_pos = 0
             self._fill()  # the first forward's first layers start now
         except BaseException:
@@ -270,7 +284,8 @@ class StreamedModel:
     def stats(self) -> StreamStats:
         """A copy of the counters."""
         s = self._stats
-        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads)}))
+        again = list(self._saved.reads) if self._saved else []
+        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again}))
 
     def settle(self) -> None:
         """Block until the fills in flight (the next forward's first layers, prefetched after the
@@ -288,6 +303,9 @@ class StreamedModel:
             return
         self._closed = True
         self._drain()
+        if self._saved is not None:
+            self._saved.exit()
+            self._saved.close()
         if self._current is not None:
             self._unbind(*self._current)
             self._current = None
@@ -338,6 +356,12 @@ class StreamedModel:
             raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
         if self._current is not None:  # the previous layer's forward raised: its post-hook never ran
             self._release()
+        if torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False):
+            raise ConfigError(
+                f"{self._streamed[pos].describe()} has Hugging Face gradient checkpointing on: backward would recompute "
+                f"it without its module hooks, so without its streamed weights. Call model.gradient_checkpointing_disable() "
+                f"(backward reads the streamed weights again anyway); to save activation memory, gds_offload.attach(model)"
+            )
         if not (self._inflight and self._inflight[0].pos == pos):
             if self._inflight:
                 self._stats.misses += 1
@@ -359,8 +383,14 @@ class StreamedModel:
         self._current = (pos, p.slot)
         self._stats.loads[pos] += 1
         self._fill()
+        assert self._saved is not None, "a streamed layer without its saved-tensor hooks"
+        if pos == 0:
+            self._saved.clear()  # a new forward: the last backward's layers are done with
+        if torch.is_grad_enabled():
+            self._saved.enter(pos, p.slot)  # last: if it raises, the post-hook still frees the slot
 
     def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs when the forward raised (always_call): output is None then.
         if self._current is not None and self._current[0] == pos:
             self._release()
             self._fill()
@@ -383,6 +413,8 @@ class StreamedModel:
     def _release(self) -> None:
         assert self._current is not None and self._ring is not None, "release without a current layer"
         pos, slot = self._current
+        if self._saved is not None:
+            self._saved.exit()
         self._unbind(pos, slot)
         self._ring.release(slot)
         self._free.append(slot)

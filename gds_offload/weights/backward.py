@@ -1,0 +1,194 @@
+"""Backward through streamed layers: the weights autograd saves are read again, not kept.
+
+A streamed layer's parameters are views of a ring slot, and the next fills overwrite that
+slot. A tensor autograd saves from them (a linear layer's weight, for its input's gradient)
+would hold another layer's bytes by the time backward uses it, and nothing in PyTorch would
+notice: the slot is written by reads, which no version counter sees. So while a streamed
+layer runs with grad mode on, :class:`SavedWeights` pushes saved-tensor hooks
+(``torch.autograd.graph.saved_tensors_hooks``):
+
+* ``pack(tensor) -> Any``, on the forward's thread, for every tensor autograd saves during
+  the layer's forward: a tensor whose storage is the layer's slot becomes a :class:`SlotRef`
+  (the layer, the byte offset in it, dtype, size, stride; no bytes kept); any other tensor
+  goes to the hooks that were active when the layer started (the activation offloader's,
+  a checkpoint's), or is returned as it is.
+* ``unpack(packed) -> Tensor``, on the thread running backward (it may block it): a
+  :class:`SlotRef`'s layer is read again from the store (:meth:`Ring.fetch
+  <gds_offload.weights.ring.Ring.fetch>`, into a buffer of its own) and its view rebuilt;
+  the read of the layer below, which backward reaches next, is started at the same time.
+
+Invariant: ``unpack(pack(t))`` equals ``t`` in every bit, size, stride, dtype and device:
+the bytes are the store's, which the forward used (with ``verify``, checked again). Two
+fetched layers at most are held, the one backward is in and the next, until their views
+are freed by autograd and the next forward (or :meth:`SavedWeights.clear`) drops them.
+
+.. warning:: The streamed layers' own parameters stay frozen (``requires_grad=False``):
+   gradients flow through them to the inputs and to trainable tensors elsewhere (resident
+   parameters, adapters outside the streamed layers), never into them.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.weights.manifest import GroupEntry
+from gds_offload.weights.ring import Ring
+
+__all__ = ["SavedWeights", "SlotRef"]
+
+_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """A saved tensor that views streamed layer ``pos``: ``offset`` bytes into its group."""
+
+    pos: int
+    offset: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outer:
+    """A tensor packed by the hooks that were active below ours, with their unpack."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    packed: Any
+
+
+class SavedWeights:
+    """The saved-tensor hooks of a :class:`~gds_offload.weights.stream.StreamedModel` (see the module doc).
+
+    Args:
+        ring: the ring whose slots hold the streamed layers (``ring.buffers``).
+        groups: the streamed layers, in order (``pos`` indexes them).
+        describe: names the model for errors (its store).
+    """
+
+    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str) -> None:
+        self._ring, self._groups, self._describe = ring, groups, describe
+        # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
+        self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
+        self._layer: tuple[int, int] | None = None  # (pos, slot) of the layer whose forward is running
+        self._outer: _Hooks | None = None
+        self._saved: set[int] = set()  # layers with tensors packed as SlotRef
+        self._fetched: dict[int, Callable[[], torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        #: Layers read again for backward, per streamed layer (:class:`StreamStats.backward_reads`).
+        self.reads = [0] * len(groups)
+
+    @property
+    def active(self) -> bool:
+        return self._layer is not None
+
+    def enter(self, pos: int, slot: int) -> None:
+        """Push the hooks for layer ``pos``'s forward (it computes from ``slot``).
+
+        Raises:
+            ConfigError: saved-tensor hooks are disabled here (``torch.func`` transforms).
+        """
+        assert self._layer is None, "SavedWeights.enter inside a layer's forward"
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"backward through the streamed layers of {self._describe} needs saved-tensor hooks, and they are "
+                f"disabled here ({exc}); run the model under torch.no_grad() or outside the transform"
+            ) from exc
+        self._layer, self._outer = (pos, slot), outer
+
+    def exit(self) -> None:
+        """Pop the hooks of :meth:`enter` (nothing if none are pushed)."""
+        if self._layer is None:
+            return
+        self._layer, self._outer = None, None
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def clear(self) -> None:
+        """Drop the fetched layers held for backward (their views stay valid while autograd holds them)."""
+        with self._lock:
+            self._fetched.clear()
+
+    def close(self) -> None:
+        """After this, backward through a layer saved earlier raises :class:`OffloadError`."""
+        self._closed = True
+        self.clear()
+
+    # -- the hooks --------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        ptr = _storage_ptr(t)
+        hit = None if ptr is None else self._slots.get(ptr)
+        if hit is None:
+            return t if self._outer is None else _Outer(self._outer[1], self._outer[0](t))
+        assert self._layer is not None, "pack hook outside a streamed layer's forward"
+        pos, slot = self._layer
+        if hit[0] != slot:
+            raise OffloadError(
+                f"a tensor saved for backward in {self._groups[pos].describe()} views the ring slot of another "
+                f"layer ({tuple(t.shape)}, {t.dtype}), whose bytes are being replaced: a streamed layer's "
+                f"parameters and their views are valid only during its own forward; clone them to keep them"
+            )
+        self._saved.add(pos)
+        return SlotRef(pos, t.data_ptr() - hit[1], t.dtype, tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        if not isinstance(packed, SlotRef):
+            return packed
+        typed = self._bytes(packed.pos).view(packed.dtype)
+        return typed.as_strided(packed.size, packed.stride, typed.storage_offset() + packed.offset // typed.element_size())
+
+    def _bytes(self, pos: int) -> torch.Tensor:
+        """Layer ``pos``'s bytes, read again; starts reading the layer below it."""
+        with self._lock:
+            if self._closed:
+                raise OffloadError(
+                    f"backward needs the weights of {self._groups[pos].describe()}, but the StreamedModel of "
+                    f"{self._describe} is closed; run backward before close()"
+                )
+            wanted = [pos] + ([pos - 1] if pos - 1 in self._saved else [])
+            for p in list(self._fetched):
+                if p not in wanted:
+                    del self._fetched[p]
+            for p in wanted:
+                if p not in self._fetched:
+                    self._fetched[p] = _once(self._ring.fetch(self._groups[p]))
+                    self.reads[p] += 1
+            done = self._fetched[pos]
+        return done()
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
+def _once(wait: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``wait`` called once; later calls return its buffer, or raise its error again."""
+    result: list[Any] = []
+
+    def done() -> torch.Tensor:
+        if not result:
+            try:
+                result.append(wait())
+            except BaseException as exc:
+                result.append(exc)
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    return done

@@ -1,0 +1,307 @@
+"""Backward through streamed layers (gds_offload.weights.backward): the weights autograd saves
+are read again from the store, so losses and gradients equal the resident model's bit for bit.
+With ``slots=1`` every layer's slot is refilled before backward, so a saved view of it would
+hold another layer's bytes: these tests fail if the saved weights are not read again."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
+
+from conftest import real_disk_base  # noqa: E402
+
+import gds_offload  # noqa: E402
+from gds_offload.errors import ConfigError, OffloadError  # noqa: E402
+from gds_offload.weights import StoreCorruptError, convert, load_streamed, read_manifest  # noqa: E402
+
+LAYERS = 4
+#: The tensors trained in these tests: resident ones (the streamed layers' parameters are frozen).
+LLAMA_TRAIN = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+GPT2_TRAIN = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")
+
+
+def _llama() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+
+
+def _gpt2() -> transformers.GPT2Config:
+    return transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=64)  # tied head, Conv1D
+
+
+@pytest.fixture(scope="module")
+def stores() -> dict[str, tuple[Path, Path]]:
+    base = real_disk_base() / f"gds_offload-weights-backward-{os.getpid()}"
+    out = {}
+    for name, cfg in (("llama", _llama()), ("gpt2", _gpt2())):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(base / f"ckpt-{name}")
+        convert(base / f"ckpt-{name}", base / f"store-{name}")
+        out[name] = (base / f"ckpt-{name}", base / f"store-{name}")
+    yield out
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _trainable(model: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    return model
+
+
+def _resident(ckpt: Path, names: tuple[str, ...], **kw: str) -> torch.nn.Module:
+    return _trainable(transformers.AutoModelForCausalLM.from_pretrained(ckpt, **kw).eval(), names)
+
+
+def _skeleton(store: Path, **kw: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store), **kw).eval()
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    params = dict(model.named_parameters())
+    return loss.detach(), {n: params[n].grad.clone() for n in names}
+
+
+def _assert_equal(got: tuple[torch.Tensor, dict[str, torch.Tensor]], want: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for n in want[1]:
+        assert torch.equal(got[1][n], want[1][n]), n
+
+
+@pytest.mark.parametrize("arch, names", [("llama", LLAMA_TRAIN), ("gpt2", GPT2_TRAIN)])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_gradients_equal_resident(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, arch: str, names: tuple[str, ...], slots: int) -> None:
+    ckpt, store = stores[arch]
+    want = _step(_resident(ckpt, names), ids, names)
+    with load_streamed(_skeleton(store), store, slots=slots) as h:
+        _assert_equal(_step(_trainable(h.model, names), ids, names), want)
+        assert h.stats().backward_reads == [1] * LAYERS  # each layer's weights read once more, for backward
+        with torch.no_grad():
+            h(ids)
+        assert h.stats().backward_reads == [1] * LAYERS  # nothing is saved without grad
+
+
+def test_input_gradients_and_double_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+
+    def grads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        loss = model(inputs_embeds=emb).logits.square().mean()
+        (g,) = torch.autograd.grad(loss, emb, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), emb)  # backward through the backward
+        return g.detach(), gg
+
+    eager = {"attn_implementation": "eager"}  # SDPA on the CPU has no double backward
+    want = grads(_resident(ckpt, (), **eager))
+    with load_streamed(_skeleton(store, **eager), store, slots=1) as h:
+        got = grads(_trainable(h.model, ()))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_backward_waits_for_a_slow_drive(monkeypatch: pytest.MonkeyPatch, stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    import gds_offload.io.posix as posix_mod
+
+    ckpt, store = stores["llama"]
+    want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    real, reads = os.preadv, [0]
+
+    def slow_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads[0] += 1
+        time.sleep(0.05)  # each backward read is still in flight when the gradient needs it
+        return real(fd, buffers, offset)
+
+    with load_streamed(_skeleton(store), store, slots=1) as h:
+        loss = _trainable(h.model, LLAMA_TRAIN)(input_ids=ids, labels=ids).loss
+        monkeypatch.setattr(posix_mod.os, "preadv", slow_preadv)
+        loss.backward()
+        params = dict(h.model.named_parameters())
+        _assert_equal((loss.detach(), {n: params[n].grad for n in LLAMA_TRAIN}), want)
+        assert reads[0] >= LAYERS
+
+
+def test_composes_with_activation_offloading(tmp_path: Path, stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+    want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    with load_streamed(_skeleton(store), store, slots=1) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        with gds_offload.attach(model, path=tmp_path, min_bytes=0, keep_last=0) as off:
+            got = _step(model, ids, LLAMA_TRAIN)
+        # The activations went to the offloader's hooks (below the streamed layers' own), the weights to the store.
+        assert off.stats().bytes_offloaded > 0 and h.stats().backward_reads == [1] * LAYERS
+    _assert_equal(got, want)
+
+
+def test_a_forward_that_raises_pops_the_hooks(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+    want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    with load_streamed(_skeleton(store), store, slots=1) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+
+        def boom(module: torch.nn.Module, args: object) -> None:
+            raise RuntimeError("boom")
+
+        handle = model.model.layers[2].mlp.register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(input_ids=ids)
+        handle.remove()
+        # PyTorch's own stack of saved-tensor hooks is empty again: nothing of ours is left pushed.
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        model.zero_grad(set_to_none=True)
+        _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
+
+
+def test_backward_after_close_and_a_corrupt_store_are_named(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, tmp_path: Path) -> None:
+    _, store = stores["llama"]
+    with load_streamed(_skeleton(store), store, slots=1) as h:
+        loss = _trainable(h.model, LLAMA_TRAIN)(input_ids=ids, labels=ids).loss
+    with pytest.raises(OffloadError, match=r"layer 3 .*closed; run backward before close\(\)"):
+        loss.backward()
+
+    bad = tmp_path / "store"
+    shutil.copytree(store, bad)
+    m = read_manifest(bad)
+    g = m.layers[1]
+    with load_streamed(_skeleton(bad), bad, slots=1, verify=True) as h:
+        loss = _trainable(h.model, LLAMA_TRAIN)(input_ids=ids, labels=ids).loss
+        with open(bad / m.files[g.file].path, "r+b") as fh:  # the drive changes between forward and backward
+            fh.seek(g.offset + 100)
+            fh.write(b"\xff" * 8)
+            os.fsync(fh.fileno())
+        with pytest.raises(StoreCorruptError, match=r"layer 1 .*xxh3-64"):
+            loss.backward()
+
+
+def test_hf_gradient_checkpointing_is_refused_with_the_fix(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    _, store = stores["llama"]
+    with load_streamed(_skeleton(store), store) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        model.gradient_checkpointing_enable()
+        model.train()
+        with pytest.raises(ConfigError, match=r"layer 0 .*gradient_checkpointing_disable\(\)"):
+            model(input_ids=ids, labels=ids)
+        with torch.no_grad():
+            model(input_ids=ids)  # nothing is recomputed without grad: allowed
+        model.gradient_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+        assert torch.isfinite(_step(model, ids, LLAMA_TRAIN)[0])
+
+
+def test_saved_tensor_hooks_disabled_is_a_clear_error(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    _, store = stores["llama"]
+    with load_streamed(_skeleton(store), store) as h:
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"), pytest.raises(ConfigError, match="no hooks here"):
+            h(ids)
+        with torch.no_grad():
+            h(ids)  # and the model still works
+
+
+def test_backward_on_another_thread(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+    want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    with load_streamed(_skeleton(store), store, slots=1) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        loss = model(input_ids=ids, labels=ids).loss
+        t = threading.Thread(target=loss.backward)
+        t.start()
+        t.join()
+        params = dict(model.named_parameters())
+        _assert_equal((loss.detach(), {n: params[n].grad for n in LLAMA_TRAIN}), want)
+
+
+# ---- LoRA adapters (PEFT) on streamed layers: gds_offload.weights.adapters -------------------
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def _lora(**kw: object) -> peft.LoraConfig:
+    return peft.LoraConfig(**({"r": 4, "target_modules": LORA_TARGETS, "lora_dropout": 0.0} | kw))
+
+
+def _peft_skeleton(store: Path, cfg: peft.PeftConfig) -> peft.PeftModel:
+    return peft.get_peft_model(_skeleton(store), cfg)
+
+
+@pytest.mark.parametrize("slots, resident_layers", [(1, 0), (2, 1)])
+def test_lora_fine_tuning_equals_resident(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, tmp_path: Path,
+                                          slots: int, resident_layers: int) -> None:  # fmt: skip
+    ckpt, store = stores["llama"]
+    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(ckpt), _lora())
+    with load_streamed(_peft_skeleton(store, _lora()), store, slots=slots, resident_layers=resident_layers) as h:
+        pm = h.model
+        # lora_B starts at zero; give both the same non-zero adapters so every gradient is exercised.
+        torch.manual_seed(3)
+        start = {k: torch.randn_like(v) * 0.1 for k, v in peft.get_peft_model_state_dict(ref).items()}
+        for m in (ref, pm):
+            peft.set_peft_model_state_dict(m, start)
+        runs = []
+        for m in (ref, pm):
+            m.train()
+            opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            losses = []
+            for _ in range(3):
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            runs.append((losses, peft.get_peft_model_state_dict(m)))
+        assert h.stats().backward_reads == [3] * (LAYERS - resident_layers)
+        for a, b in zip(runs[0][0], runs[1][0]):
+            assert torch.equal(a, b)
+        assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) == 2 * len(LORA_TARGETS) * LAYERS
+        for k in runs[0][1]:
+            assert torch.equal(runs[0][1][k], runs[1][1][k]), k
+        # The trained adapters save with PEFT and load onto the resident model: the same logits.
+        pm.save_pretrained(tmp_path / "adapters")
+        pm.eval()
+        with torch.no_grad():
+            got = pm(input_ids=ids).logits
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", False])
+def test_lora_adapters_are_made_real_and_initialised(stores: dict[str, tuple[Path, Path]], init: object) -> None:
+    _, store = stores["llama"]
+    with load_streamed(_peft_skeleton(store, _lora(init_lora_weights=init)), store) as h:
+        adapters = {n: p for n, p in h.model.named_parameters() if "lora_" in n}
+        assert len(adapters) == 2 * len(LORA_TARGETS) * LAYERS
+        for n, p in adapters.items():
+            assert p.device.type == "cpu" and p.requires_grad and torch.isfinite(p).all(), n
+            # PEFT's own initialisations: B at zero unless init_lora_weights=False; A random.
+            assert bool((p == 0).all()) == ("lora_B" in n and init is not False), n
+        # Only the adapters train.
+        assert all(("lora_" in n) == p.requires_grad for n, p in h.model.named_parameters() if not p.is_meta)
+
+
+def test_lora_setups_that_need_base_weights_are_refused(stores: dict[str, tuple[Path, Path]]) -> None:
+    _, store = stores["llama"]
+    cases = [
+        (_lora(init_lora_weights="eva", eva_config=peft.EvaConfig()), r"init_lora_weights='eva' derives the adapter from"),
+        (_lora(use_dora=True), r"uses DoRA"),
+        (peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]), r"only LoRA adapters"),
+    ]
+    for cfg, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            load_streamed(_peft_skeleton(store, cfg), store)
+    with pytest.raises(ConfigError, match="pass that to load_streamed"):
+        load_streamed(_peft_skeleton(store, _lora()).get_base_model(), store)
