@@ -305,3 +305,14 @@ def test_lora_setups_that_need_base_weights_are_refused(stores: dict[str, tuple[
             load_streamed(_peft_skeleton(store, cfg), store)
     with pytest.raises(ConfigError, match="pass that to load_streamed"):
         load_streamed(_peft_skeleton(store, _lora()).get_base_model(), store)
+
+
+def test_lora_example_runs_and_matches_resident(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "lora_streamed.py"), "--steps", "2", "--path", str(tmp_path), "--check"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=root)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "losses equal to the resident model's: True" in proc.stdout and "step 1: loss" in proc.stdout
