@@ -107,7 +107,7 @@ def test_pip_pins_agree_with_pyproject(instructions, pyproject):
         assert Version(spec[0].version) in wanted.specifier, f"{pin} is outside pyproject.toml's {wanted}"
     assert set(extras) == {"kvikio-cu12", "cupy-cuda12x"}, "a new cu12 extra needs a pin in the Dockerfile"
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
-    assert '".[cu12]"' in runs and "$KVIKIO_SPEC" in runs and "$CUPY_SPEC" in runs
+    assert '".[cu12,hf]"' in runs and "$KVIKIO_SPEC" in runs and "$CUPY_SPEC" in runs
     assert "/whl/cu12" in args["TORCH_INDEX_URL"], "torch must be a CUDA 12 build"
     # The package's build reads these: each must be in the image before pip installs it.
     copied = {src for word, rest in instructions if word == "COPY" for src in rest.split()[:-1]}
