@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "rok": "gds_offload.commands.rok",
     "convert": "gds_offload.commands.convert",
     "bench-weights": "gds_offload.commands.bench_weights",
+    "bench-finetune": "gds_offload.commands.bench_finetune",
     "report": "gds_offload.commands.report",
     "shards": "gds_offload.commands.shards",
 }

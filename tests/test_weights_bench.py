@@ -155,3 +155,40 @@ def test_targets_and_their_bounds() -> None:
     del report["results"]
     del report["summary"][0]["decode_read_vs_raw"]  # older results: the best raw pass
     assert targets(report)[0]["value"] == pytest.approx(1.4 / 1.6)
+
+
+def test_bench_finetune_tiny_end_to_end(tmp_path: Path) -> None:
+    """LoRA steps in every mode's child: the streamed modes' losses and adapters equal resident's,
+    each streamed layer is read again for backward, and Accelerate's disk offload under PEFT is
+    reported as the failure it is (adapters left on the meta device), without failing the command."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
+    work = real_disk_base() / f"gds_offload-bench-finetune-test-{os.getpid()}"
+    out = tmp_path / "finetune.json"
+    try:
+        rc = cli_main(["bench-finetune", "--tiny", "--modes", "resident,drive,host,accelerate-disk", "--batch-sizes", "1,2",
+                       "--steps", "1", "--workdir", str(work), "--out", str(out)])  # fmt: skip
+        assert not list(work.glob("accelerate-offload-*"))  # its offload folders are removed
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    doc = json.loads(out.read_text())
+    rows = {(r["mode"], r["batch"]): r for r in doc["results"]}
+    assert rc == 0 and len(rows) == 8
+    for mode in ("resident", "drive", "host"):
+        for batch in (1, 2):
+            r = rows[mode, batch]
+            assert r["status"] == "ok" and r["matches_resident"] is True and r["tokens_per_s"] > 0 and len(r["losses"]) == 1, r
+    assert rows["drive", 1]["backward_reads_per_step"] == 4 and rows["drive", 1]["store_bytes_per_step"] > 0
+    assert rows["host", 1]["backward_reads_per_step"] == 0  # on the CPU the host tier keeps every layer: nothing to read
+    assert rows["resident", 1]["losses"] != rows["resident", 2]["losses"]  # different batches, different losses
+    failed = rows["accelerate-disk", 1]
+    assert failed["status"] == "error" and "meta" in failed["error"] and rows["accelerate-disk", 2]["error"].startswith("not run after batch 1")
+    assert doc["kind"] == "table" and doc["command"].startswith("gds-offload bench-finetune --tiny")
+    from gds_offload.bench.headline import headline
+    from gds_offload.bench.report import Section, render_section
+
+    line = headline(doc)
+    assert line is not None and "streamed-drive: " in line and "x resident's train tok/s at batch 2, exact" in line and "accelerate-disk: failed" in line
+    page = "\n".join(render_section(Section(out, doc), tmp_path))
+    assert "| streamed-drive | 2 |" in page and "| accelerate-disk | 1 | failed |" in page

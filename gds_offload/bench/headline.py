@@ -69,13 +69,32 @@ def _loader(doc: dict[str, Any]) -> str | None:
     return "TokenLoader against the best DataLoader: " + ", ".join(ratios) if ratios else None
 
 
+def _finetune(doc: dict[str, Any]) -> str | None:
+    """``bench-finetune``: each streamed mode at its largest batch against resident, and the peers that failed."""
+    rows = doc["summary"]["finetune"]
+    resident = {r["batch"]: r["tokens_per_s"] for r in rows if r["mode"] == "resident" and r["tokens_per_s"]}
+    parts, failed = [], []
+    for mode, label in (("drive", "streamed-drive"), ("host", "streamed-host"), ("accelerate-disk", "accelerate-disk")):
+        ok = [r for r in rows if r["mode"] == mode and r["tokens_per_s"] and r["batch"] in resident]
+        if ok:
+            r = max(ok, key=lambda r: r["batch"])
+            exact = "exact" if r["matches_resident"] else "NOT exact"
+            parts.append(f"{label}: {r['tokens_per_s'] / resident[r['batch']]:.2f}x resident's train tok/s at batch {r['batch']}, {exact}")
+        elif any(r["mode"] == mode for r in rows):
+            failed.append(label)
+    return "; ".join(parts + [f"{x}: failed" for x in failed]) or None
+
+
 def headline(doc: dict[str, Any]) -> str | None:
     """One line for ``doc``: its targets met, or its modes' ratios to ``keep`` (per setting for
-    ``bench --nproc``), or its loader ratios; None when it has none of these."""
+    ``bench --nproc``), or the fine-tuning modes' ratios to resident, or its loader ratios; None
+    when it has none of these."""
     raw = doc.get("summary")
     summary: dict[str, Any] = raw if isinstance(raw, dict) else {}
     if "settings" in summary:
         return _ranks(doc)
+    if "finetune" in summary:
+        return _finetune(doc)
     return _targets(doc) or (_bench(doc) if "modes" in summary else None) or _loader(doc)
 
 

@@ -35,6 +35,21 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return values
 
 
+def modes_arg(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """``--modes``: a comma-separated list of ``allowed`` names.
+
+    Raises:
+        ConfigError: an unknown name, or none.
+    """
+    from gds_offload.errors import ConfigError
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in allowed]
+    if bad or not modes:
+        raise ConfigError(f"--modes {text!r}: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
+    return modes
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gds_offload.commands.run_args import positive_int
 
@@ -69,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
 
     try:
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODES]
-        if bad or not modes:
-            raise ConfigError(f"--modes {args.modes!r}: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(MODES)}")
+        modes = modes_arg(args.modes, MODES)
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise ConfigError(f"--device {args.device!r}: expected cpu or cuda")
         model = TINY if args.tiny else DEFAULT_MODEL
@@ -105,14 +117,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}", file=sys.stderr)
         return 2
-    doc = _document(args, report, started, workdir, commit)
-    if args.out and args.out != "-":
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    if args.out == "-":
-        print(json.dumps(doc, indent=2, default=str))
-    else:
-        render(doc)
+    emit(_document(args, report, started, workdir, commit), args.out)
     failed = [r for r in report["summary"] if r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False]
     return 1 if failed else 0
 
@@ -158,6 +163,17 @@ def _interference_line(report: dict[str, Any]) -> str:
             f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): what reading costs the compute on this machine")
 
 
+def emit(doc: dict[str, Any], out: str | None) -> None:
+    """Write the result file to ``out`` and print the table, or print the file (``out="-"``)."""
+    if out and out != "-":
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if out == "-":
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        render(doc)
+
+
 def render(doc: dict[str, Any]) -> None:
     """Print the result's table and targets (rich)."""
     from rich.console import Console
@@ -170,7 +186,7 @@ def render(doc: dict[str, Any]) -> None:
         t.add_row(*row)
     console = Console(width=max(160, Console().width))
     console.print(t)
-    for x in doc["targets"]:
+    for x in doc.get("targets") or []:
         verdict = {True: "[green]met[/]", False: "[red]not met[/]", None: "not measured"}[x["met"]]
         value = "-" if x["value"] is None else f"{x['value']:.2f}"
         ceiling = f" (resident: {x['ceiling']:.2f})" if x.get("ceiling") else ""

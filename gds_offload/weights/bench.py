@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from gds_offload.bench.children import reap, spawn
-
-__all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "prepare", "run_bench", "run_mode", "summarize"]
+__all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "prepare", "remove_offload_folders", "run_bench",
+           "run_mode", "run_rounds", "summarize", "weight_files"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
 #: Modes run under ``memory_limit``; the others hold every weight in memory by design.
@@ -183,6 +183,34 @@ def prepare(model: BenchModel, workdir: Path, checkpoint: Path | None = None) ->
     return checkpoint, store
 
 
+_Row = TypeVar("_Row", bound=Any)
+
+
+def run_rounds(modes: list[str], rounds: int, *, memory_limit: int | None, workdir: Path, say: Callable[[str], None],
+               run: Callable[[str, int | None], list[_Row]]) -> list[_Row]:  # fmt: skip
+    """``run(mode, cap)`` for every mode, ``rounds`` times: round ``k`` starts ``k`` modes later, so a
+    slow spell of a shared machine does not always hit the same mode; modes in :data:`CAPPED` get
+    ``memory_limit``. Each row's ``round`` is set. Accelerate's offload folders are removed after."""
+    rows: list[_Row] = []
+    try:
+        for k in range(rounds):
+            for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
+                limit = memory_limit if mode in CAPPED else None
+                say(f"round {k + 1}/{rounds}: {mode}" + (f" (cap {limit} bytes)" if limit else ""))
+                for r in run(mode, limit):
+                    r.round = k
+                    rows.append(r)
+    finally:
+        remove_offload_folders(workdir)
+    return rows
+
+
+def remove_offload_folders(workdir: Path) -> None:
+    """Remove the ``offload_folder`` each ``accelerate-disk`` child made (empty with a safetensors checkpoint)."""
+    for d in workdir.glob("accelerate-offload-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def weight_files(checkpoint: Path, store: Path) -> list[Path]:
     """The files holding the weights: the checkpoint's safetensors shards and the store's data files."""
     from gds_offload.weights.manifest import read_manifest
@@ -195,7 +223,7 @@ def weight_files(checkpoint: Path, store: Path) -> list[Path]:
 def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
     """Run one mode in a child process (under a memory cap if given) after dropping the weights'
     page cache; errors become ``status="error"`` rows."""
-    from gds_offload.weights.cgroup import MemoryCap
+    from gds_offload.weights.cgroup import run_capped
     from gds_offload.weights.drive import cached_bytes, evict
 
     files = weight_files(Path(spec.checkpoint), Path(spec.store))
@@ -205,30 +233,14 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see gds_offload/bench/runner.py)
     env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # every mode: large frees go back to the kernel (see the module doc)
-    cap = MemoryCap(memory_limit) if memory_limit else None
     load_before = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "gds_offload.weights.bench_child", json.dumps(asdict(spec))]
-    try:
-        proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    except BaseException:
-        if cap is not None:
-            cap.close()
-        raise
-    try:
-        if cap is not None:
-            cap.add(proc.pid)  # the child's pid; the child waits for "go" so nothing ran uncapped
-        out, err = proc.communicate("go\n", timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err = f"timed out after {timeout_s} s\n" + err
-    finally:
-        reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
-        rep = cap.close() if cap is not None else None
+    run = run_capped(cmd, env=env, memory_limit=memory_limit, timeout_s=timeout_s)
+    out, err, rep = run.out, run.err, run.cap
     # A batch's last line wins: the drive child repeats its first batch's line with the raw pairs.
     rows = list({r["batch"]: r for r in (json.loads(line[len(PREFIX):]) for line in out.splitlines() if line.startswith(PREFIX))}.values())
-    if proc.returncode != 0:  # the batch sizes it did not report failed
-        why = f"child exited {proc.returncode}" + (" (killed: out of memory under the cap?)" if proc.returncode == -9 else "")
+    if run.returncode != 0:  # the batch sizes it did not report failed
+        why = f"child exited {run.returncode}" + (" (killed: out of memory under the cap?)" if run.returncode == -9 else "")
         tail = " | ".join(err.strip().splitlines()[-3:])
         done = {r["batch"] for r in rows}
         rows += [asdict(ModeResult(spec.mode, b, status="error", error=f"{why}: {tail}")) for b in spec.batch_sizes if b not in done]
@@ -272,14 +284,8 @@ def run_bench(
     data = weight_files(ckpt, store)[-1]
     say(f"raw O_DIRECT reads of {data}")
     raw = [dict(r.as_dict(), when="before") for r in raw_read_bandwidth(data, depths=raw_depths)]
-    rows: list[ModeResult] = []
-    for k in range(rounds):
-        for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
-            limit = memory_limit if mode in CAPPED else None
-            say(f"round {k + 1}/{rounds}: {mode}" + (f" (cap {limit} bytes)" if limit else ""))
-            for r in run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit):
-                r.round = k
-                rows.append(r)
+    rows = run_rounds(modes, rounds, memory_limit=memory_limit, workdir=Path(base.workdir), say=say,
+                      run=lambda mode, limit: run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
     best = max(raw, key=lambda r: r["bytes_per_s"])["depth"]
     say("raw O_DIRECT reads again")
     raw += [dict(r.as_dict(), when="after") for r in raw_read_bandwidth(data, depths=(best,))]

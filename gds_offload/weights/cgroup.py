@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from gds_offload.errors import ConfigError
 
-__all__ = ["MemoryCap", "CapReport", "cap_available", "CGROUP_V1_MEMORY"]
+__all__ = ["MemoryCap", "CapReport", "ChildRun", "cap_available", "run_capped", "CGROUP_V1_MEMORY"]
 
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 _counter = itertools.count()
@@ -92,6 +93,43 @@ class MemoryCap:
             except OSError:
                 time.sleep(0.1)
         return rep
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """A benchmark child that has exited: its status, what it printed, and its group's report."""
+
+    returncode: int
+    out: str
+    err: str
+    cap: CapReport | None
+
+
+def run_capped(cmd: list[str], *, env: dict[str, str], memory_limit: int | None, timeout_s: float) -> ChildRun:
+    """Run ``cmd`` in a child (under a :class:`MemoryCap` of ``memory_limit`` bytes when given) and
+    wait for it. The child must wait for one line on its stdin before it starts work: it gets it
+    once it is in its group, so nothing it does runs uncapped. A child past ``timeout_s`` is killed."""
+    from gds_offload.bench.children import reap, spawn
+
+    cap = MemoryCap(memory_limit) if memory_limit else None
+    try:
+        proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    except BaseException:
+        if cap is not None:
+            cap.close()
+        raise
+    try:
+        if cap is not None:
+            cap.add(proc.pid)
+        out, err = proc.communicate("go\n", timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err = f"timed out after {timeout_s} s\n" + err
+    finally:
+        reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
+        rep = cap.close() if cap is not None else None
+    return ChildRun(proc.returncode, out, err, rep)
 
 
 def _read_int(path: Path) -> int | None:
