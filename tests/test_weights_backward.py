@@ -316,3 +316,17 @@ def test_lora_example_runs_and_matches_resident(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=root)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "losses equal to the resident model's: True" in proc.stdout and "step 1: loss" in proc.stdout
+
+
+def test_an_in_place_change_to_streamed_weights_is_refused(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    """The resident model would keep a change its forward makes to a weight (BatchNorm's running
+    statistics are the common case); the store would not, so a streamed layer refuses it."""
+    _, store = stores["llama"]
+    with load_streamed(_skeleton(store), store, slots=1) as h, torch.no_grad():
+        norm = h.model.model.layers[1].post_attention_layernorm
+        handle = norm.register_forward_pre_hook(lambda m, a: m.weight.mul_(1.0))  # bumps the version, same bytes
+        with pytest.raises(OffloadError, match=r"layer 1 .*changed its streamed parameters or buffers in place"):
+            h(ids)
+        handle.remove()
+        h(ids)  # the slot was released: the model goes on
+        assert h.stats().misses <= 1

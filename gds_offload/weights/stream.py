@@ -24,7 +24,9 @@ Invariant: a slot is written only while no layer's parameters view it and, on CU
 only after the kernels of the last layer that used it have finished, so a layer always
 computes with exactly the bytes the store holds for it (``torch.equal`` to the resident
 model's outputs). With ``verify`` each read's xxh3-64 is checked on the engine thread
-before the layer may use it.
+before the layer may use it. A layer whose forward changes its streamed tensors in place
+(their version counter moved: BatchNorm statistics in train mode) raises ``OffloadError``
+after it: the resident model would keep the change, the store cannot.
 
 ``tier="host"`` on the CPU: every layer is read once, at load, into host memory, and the
 parameters point straight at it (a copy into a ring would only move bytes the model can
@@ -225,6 +227,7 @@ class StreamedModel:
         self._hooks: list[Any] = []
         self._inflight: collections.deque[Fill] = collections.deque()
         self._current: tuple[int, int] | None = None
+        self._slot_version = 0
         self._closed = False
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
@@ -381,6 +384,7 @@ class StreamedModel:
         for name, tensor in self._views[pos][p.slot]:
             self.binding.place(name, tensor)
         self._current = (pos, p.slot)
+        self._slot_version = self._ring.buffers[p.slot]._version  # shared by every view of the slot
         self._stats.loads[pos] += 1
         self._fill()
         assert self._saved is not None, "a streamed layer without its saved-tensor hooks"
@@ -391,9 +395,19 @@ class StreamedModel:
 
     def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
         # Also runs when the forward raised (always_call): output is None then.
-        if self._current is not None and self._current[0] == pos:
-            self._release()
-            self._fill()
+        if self._current is None or self._current[0] != pos:
+            return
+        assert self._ring is not None, "a streamed layer without a ring"
+        changed = self._ring.buffers[self._current[1]]._version != self._slot_version
+        self._release()
+        self._fill()
+        if changed and output is not None:
+            # The resident model would keep the change; the next read of this layer would not.
+            raise OffloadError(
+                f"{self._streamed[pos].describe()} changed its streamed parameters or buffers in place during its forward "
+                f"(e.g. BatchNorm running statistics in train mode); streamed weights are read-only. Put that module in "
+                f"eval mode, or keep the layer resident (resident_layers= or max_memory=)"
+            )
 
     # -- the ring -------------------------------------------------------------------------
     def _fill(self) -> None:
