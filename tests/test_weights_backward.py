@@ -330,3 +330,54 @@ def test_an_in_place_change_to_streamed_weights_is_refused(stores: dict[str, tup
         handle.remove()
         h(ids)  # the slot was released: the model goes on
         assert h.stats().misses <= 1
+
+
+# ---- more Hugging Face architectures, built from configs ------------------------------------
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+ARCHS = {
+    "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=2, **_SMALL),  # q/k/v biases
+    "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=4, **_SMALL),
+    "gemma": lambda: transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **_SMALL),  # scaled embeddings (a buffer)
+    "phi3": lambda: transformers.Phi3Config(num_key_value_heads=2, pad_token_id=0, **_SMALL),  # fused qkv and gate/up
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_SMALL),  # checkpoint names renamed at load (embed_out -> lm_head)
+    "opt": lambda: transformers.OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                                          max_position_embeddings=64, word_embed_proj_dim=64),  # model.decoder.layers
+    "falcon": lambda: transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_architectures_stream_and_backward_exactly(arch: str, ids: torch.Tensor, tmp_path: Path) -> None:
+    import accelerate
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(ARCHS[arch]()).save_pretrained(tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    embed = next(n for n, _ in ref.named_parameters())  # the input embedding: its gradient crosses every layer
+    with torch.no_grad():
+        want_logits = ref(ids).logits
+    want = _step(_trainable(ref, (embed,)), ids, (embed,))
+    with accelerate.init_empty_weights():  # keeps computed buffers (Gemma's embedding scale) real
+        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "store")).eval()
+    with load_streamed(skeleton, tmp_path / "store", slots=1) as h:
+        with torch.no_grad():
+            assert torch.equal(h(ids).logits, want_logits)
+        _assert_equal(_step(_trainable(h.model, (embed,)), ids, (embed,)), want)
+        assert h.stats().backward_reads == [1, 1, 1]
+
+
+def test_a_checkpoint_transformers_converts_at_load_is_refused(tmp_path: Path) -> None:
+    """Mixtral's per-expert checkpoint tensors are fused into one tensor per layer at load
+    (transformers 5): a store holds them as saved, so streaming them is refused, by name."""
+    import accelerate
+
+    pytest.importorskip("transformers.core_model_loading", reason="transformers < 5 loads Mixtral's experts as saved")
+    cfg = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **(_SMALL | {"num_hidden_layers": 2}))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store")
+    with accelerate.init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "store"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.w\d\.weight: transformers merges or splits .*not supported yet"):
+        load_streamed(skeleton, tmp_path / "store")

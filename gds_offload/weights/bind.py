@@ -124,6 +124,8 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         ConfigError: a tied group spans a layer and something outside it (cannot be streamed).
     """
     entries = {t.name: t for t in manifest.tensors}
+    to_model = checkpoint_renames(model)
+    store_of = {to_model(n): n for n in entries}  # the model's name for each store tensor -> the store's
     used: set[str] = set()
     missing: list[str] = []
     misshaped: list[str] = []
@@ -132,7 +134,7 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         renamed = [rename(t.name) if rename else t.name for t in targets]
         if any(n is None for n in renamed):
             continue
-        names = [n for n in renamed if n is not None]
+        names = [store_of.get(n, n) for n in renamed if n is not None]
         stored = [n for n in names if n in entries]
         used.update(stored)
         if not stored:
@@ -167,6 +169,41 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         if t.name in binding.entries:
             binding.by_group.setdefault(t.group, []).append(t.name)
     return binding
+
+
+def checkpoint_renames(model: nn.Module) -> Callable[[str], str]:
+    """The model's name for a checkpoint (store) tensor: the renamings ``from_pretrained`` applies
+    (transformers >= 5: GPT-NeoX's ``embed_out`` is ``lm_head``); the name itself without them.
+
+    Raises (from the returned function):
+        ConfigError: a checkpoint tensor that transformers would merge or split at load (its
+            ``WeightConverter``s, e.g. fused MoE experts): a store holds tensors as the checkpoint does.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # transformers 4, or none: names are used as they are
+        return lambda name: name
+    try:
+        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    except (AttributeError, TypeError, ValueError):  # not a transformers model
+        return lambda name: name
+    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+
+    def to_model(name: str) -> str:
+        for r in renames:
+            name, _ = r.rename_source_key(name)
+        for c in converters:
+            if c.rename_source_key(name)[1] is not None:
+                raise ConfigError(
+                    f"{name}: transformers merges or splits this checkpoint tensor at load ({type(c).__name__}: e.g. MoE "
+                    f"experts fused into one tensor), while a weight store holds the checkpoint's tensors as they are; "
+                    f"streaming {type(model).__name__} is not supported yet"
+                )
+        return name
+
+    return to_model
 
 
 def rebuild_meta_buffers(model: nn.Module, device: torch.device) -> list[str]:
