@@ -187,19 +187,62 @@ def test_backward_after_close_and_a_corrupt_store_are_named(stores: dict[str, tu
             loss.backward()
 
 
-def test_hf_gradient_checkpointing_is_refused_with_the_fix(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
-    _, store = stores["llama"]
-    with load_streamed(_skeleton(store), store) as h:
-        model = _trainable(h.model, LLAMA_TRAIN)
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_hf_gradient_checkpointing_recomputes_with_the_streamed_weights(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor,
+                                                                       reentrant: bool, slots: int) -> None:  # fmt: skip
+    """Backward recomputes each checkpointed layer without its module hooks; the layer's wrapped
+    checkpointing function binds it for that (:mod:`gds_offload.weights.recompute`)."""
+    ckpt, store = stores["llama"]
+    kw = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+
+    def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
+        model.gradient_checkpointing_enable(**kw)
+        if reentrant:
+            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+        return model.train()
+
+    plain = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    want = _step(checkpointed(_resident(ckpt, LLAMA_TRAIN)), ids, LLAMA_TRAIN)
+    _assert_equal(want, plain)  # checkpointing itself changes nothing here
+    with load_streamed(_skeleton(store), store, slots=slots) as h:
+        model = checkpointed(_trainable(h.model, LLAMA_TRAIN))
+        for _ in range(2):  # the second step starts after a backward that recomputed every layer
+            model.zero_grad(set_to_none=True)
+            _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
+        s = h.stats()
+        assert s.loads == [4] * LAYERS and s.backward_reads == [0] * LAYERS  # each layer: a forward and a recompute per step
+    import functools
+
+    # close() put Hugging Face's own checkpointing functions back (partials of torch's checkpoint).
+    funcs = [m._gradient_checkpointing_func for m in h.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert len(funcs) >= LAYERS and all(isinstance(f, functools.partial) for f in funcs)
+
+
+def test_lora_with_gradient_checkpointing_equals_resident(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+    runs = []
+    for streamed in (False, True):
+        if streamed:
+            h = load_streamed(_peft_skeleton(store, _lora(init_lora_weights="gaussian")), store, slots=1)
+            model = h.model
+        else:
+            model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(ckpt), _lora(init_lora_weights="gaussian"))
+        torch.manual_seed(4)
+        with torch.no_grad():
+            for _, p in sorted(model.named_parameters()):
+                if p.requires_grad:
+                    p.normal_(std=0.05)
         model.gradient_checkpointing_enable()
         model.train()
-        with pytest.raises(ConfigError, match=r"layer 0 .*gradient_checkpointing_disable\(\)"):
-            model(input_ids=ids, labels=ids)
-        with torch.no_grad():
-            model(input_ids=ids)  # nothing is recomputed without grad: allowed
-        model.gradient_checkpointing_disable()
-        model.zero_grad(set_to_none=True)
-        assert torch.isfinite(_step(model, ids, LLAMA_TRAIN)[0])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append(([loss.detach()], {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        if streamed:
+            h.close()
+    assert torch.equal(runs[0][0][0], runs[1][0][0]) and runs[0][1].keys() == runs[1][1].keys()
+    for n in runs[0][1]:
+        assert torch.equal(runs[0][1][n], runs[1][1][n]), n
 
 
 def test_saved_tensor_hooks_disabled_is_a_clear_error(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:

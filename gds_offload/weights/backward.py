@@ -78,6 +78,7 @@ class SavedWeights:
         self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
         self._layer: tuple[int, int] | None = None  # (pos, slot) of the layer whose forward is running
         self._outer: _Hooks | None = None
+        self._clone = False
         self._saved: set[int] = set()  # layers with tensors packed as SlotRef
         self._fetched: dict[int, Callable[[], torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -89,8 +90,10 @@ class SavedWeights:
     def active(self) -> bool:
         return self._layer is not None
 
-    def enter(self, pos: int, slot: int) -> None:
-        """Push the hooks for layer ``pos``'s forward (it computes from ``slot``).
+    def enter(self, pos: int, slot: int, *, clone: bool = False) -> None:
+        """Push the hooks for layer ``pos``'s forward (it computes from ``slot``). ``clone``: pack
+        the slot's views as copies handed to the hooks below, not as references (a checkpoint's
+        recompute, :mod:`gds_offload.weights.recompute`, must see every tensor it saved before).
 
         Raises:
             ConfigError: saved-tensor hooks are disabled here (``torch.func`` transforms).
@@ -104,7 +107,7 @@ class SavedWeights:
                 f"backward through the streamed layers of {self._describe} needs saved-tensor hooks, and they are "
                 f"disabled here ({exc}); run the model under torch.no_grad() or outside the transform"
             ) from exc
-        self._layer, self._outer = (pos, slot), outer
+        self._layer, self._outer, self._clone = (pos, slot), outer, clone
 
     def exit(self) -> None:
         """Pop the hooks of :meth:`enter` (nothing if none are pushed)."""
@@ -127,6 +130,8 @@ class SavedWeights:
     def _pack(self, t: torch.Tensor) -> Any:
         ptr = _storage_ptr(t)
         hit = None if ptr is None else self._slots.get(ptr)
+        if hit is not None and self._clone:
+            t, hit = t.clone(), None  # bit for bit, and outlives the slot's next fill
         if hit is None:
             return t if self._outer is None else _Outer(self._outer[1], self._outer[0](t))
         assert self._layer is not None, "pack hook outside a streamed layer's forward"

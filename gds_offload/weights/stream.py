@@ -36,7 +36,9 @@ With grad mode on, a streamed layer's forward also runs under saved-tensor hooks
 (:mod:`gds_offload.weights.backward`): the weights autograd saves are read again for
 backward instead of pointing into a slot that is refilled, so gradients to the inputs and
 to trainable resident tensors equal the resident model's. The post-hook is registered with
-``always_call=True``, so a forward that raises still pops them and frees the slot.
+``always_call=True``, so a forward that raises still pops them and frees the slot. Hugging
+Face gradient checkpointing recomputes a layer without its module hooks: the layer's
+checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.recompute`).
 
 .. warning:: One forward at a time; streamed parameters are frozen
    The hooks keep one prediction of the next layer, so two threads running the model at
@@ -67,6 +69,7 @@ from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
+from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import Fill, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
 
@@ -228,6 +231,8 @@ class StreamedModel:
         self._inflight: collections.deque[Fill] = collections.deque()
         self._current: tuple[int, int] | None = None
         self._slot_version = 0
+        self._direction = 1  # the order fills are predicted in: up the layers, or down them in a recompute
+        self._recompute = Recompute(self._bind_for_recompute, self._release_after_recompute)
         self._closed = False
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
@@ -315,6 +320,7 @@ class StreamedModel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._recompute.restore()
         self._finalizer()
 
     def __enter__(self) -> StreamedModel:
@@ -354,17 +360,14 @@ class StreamedModel:
         return [(n, self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
 
     # -- hooks ----------------------------------------------------------------------------
-    def _pre(self, pos: int, module: nn.Module, args: Any) -> None:
+    def _pre(self, pos: int, module: nn.Module, args: Any, *, recompute: bool = False) -> None:
         if self._closed:
             raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
         if self._current is not None:  # the previous layer's forward raised: its post-hook never ran
             self._release()
-        if torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False):
-            raise ConfigError(
-                f"{self._streamed[pos].describe()} has Hugging Face gradient checkpointing on: backward would recompute "
-                f"it without its module hooks, so without its streamed weights. Call model.gradient_checkpointing_disable() "
-                f"(backward reads the streamed weights again anyway); to save activation memory, gds_offload.attach(model)"
-            )
+        if not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False):
+            self._recompute.wrap(pos, module)  # backward will run this layer's forward without our hooks
+        self._direction = -1 if recompute else 1  # recomputes go down the layers, as backward does
         if not (self._inflight and self._inflight[0].pos == pos):
             if self._inflight:
                 self._stats.misses += 1
@@ -391,7 +394,16 @@ class StreamedModel:
         if pos == 0:
             self._saved.clear()  # a new forward: the last backward's layers are done with
         if torch.is_grad_enabled():
-            self._saved.enter(pos, p.slot)  # last: if it raises, the post-hook still frees the slot
+            self._saved.enter(pos, p.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
+
+    def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
+        if self._current is not None and self._current[0] == pos:
+            return False  # the original forward: the pre-hook bound it
+        self._pre(pos, module, (), recompute=True)
+        return True
+
+    def _release_after_recompute(self, pos: int, module: nn.Module) -> None:
+        self._post(pos, module, (), None)
 
     def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
         # Also runs when the forward raised (always_call): output is None then.
@@ -422,7 +434,7 @@ class StreamedModel:
             self._inflight.append(self._ring.start(g, pos, self._free.pop()))
             self._stats.reads[pos] += 1
             self._stats.bytes_read += g.nbytes
-            self._next_pos = (pos + 1) % n
+            self._next_pos = (pos + self._direction) % n
 
     def _release(self) -> None:
         assert self._current is not None and self._ring is not None, "release without a current layer"
