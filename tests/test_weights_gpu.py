@@ -148,3 +148,27 @@ def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple
         assert h.stats().backward_reads == [1] * len(h.stats().streamed_layers)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("tier", ["drive", "host"])
+def test_cuda_gradient_checkpointing_recomputes_with_the_streamed_weights(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
+    """Hugging Face gradient checkpointing on the GPU: backward's recompute (on the autograd
+    device thread) binds each layer again (:mod:`gds_offload.weights.recompute`)."""
+    ckpt, store = ckpt_store
+    train = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+    def step(model: torch.nn.Module) -> list[torch.Tensor]:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in train)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        params = dict(model.named_parameters())
+        return [loss.detach()] + [params[n].grad for n in train]
+
+    want = step(_resident(ckpt).cuda())
+    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+        got = step(h.model)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
