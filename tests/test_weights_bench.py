@@ -192,3 +192,27 @@ def test_bench_finetune_tiny_end_to_end(tmp_path: Path) -> None:
     assert line is not None and "streamed-drive: " in line and "x resident's train tok/s at batch 2, exact" in line and "accelerate-disk: failed" in line
     page = "\n".join(render_section(Section(out, doc), tmp_path))
     assert "| streamed-drive | 2 |" in page and "| accelerate-disk | 1 | failed |" in page
+
+
+def test_bench_finetune_with_gradient_checkpointing(tmp_path: Path) -> None:
+    """--checkpointing: every layer is recomputed in backward, streamed ones bound again for it;
+    still exact, and nothing is read again through the saved-tensor path."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
+    work = real_disk_base() / f"gds_offload-bench-finetune-ckpt-{os.getpid()}"
+    out = tmp_path / "ckpt.json"
+    try:
+        rc = cli_main(["bench-finetune", "--tiny", "--modes", "resident,drive", "--batch-sizes", "2", "--steps", "1", "--checkpointing",
+                       "--workdir", str(work), "--out", str(out)])  # fmt: skip
+        from gds_offload.weights import read_manifest
+
+        layers_nbytes = sum(g.nbytes for g in read_manifest(work / "store").layers)
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    doc = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert rc == 0 and doc["spec"]["checkpointing"] is True and "gradient checkpointing" in doc["title"]
+    assert rows["drive"]["matches_resident"] is True and rows["drive"]["backward_reads_per_step"] == 0
+    # A forward and a recompute per step: every layer filled twice.
+    assert rows["drive"]["store_bytes_per_step"] >= 2 * layers_nbytes

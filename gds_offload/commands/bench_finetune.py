@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=2, help="measured steps per batch size, after one warm-up (default 2)")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--slots", type=positive_int, default=2, help="ring buffers of the drive mode (default 2)")
+    p.add_argument("--checkpointing", action="store_true", help="Hugging Face gradient checkpointing in every mode (layers recomputed in backward)")
     p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved; medians are shown")
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default: bench-weights' workdir)")
     p.add_argument("--memory-limit", default=None, help="cap the drive and accelerate-disk children (page cache included); needs root and cgroup v1")
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     model = TINY if args.tiny else DEFAULT_MODEL
     workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
     spec = FinetuneSpec("", "", "", str(workdir), batch_sizes=args.batch_sizes or (1, 4, 8), seq_len=args.seq_len, steps=args.steps,
-                        rank=args.rank, slots=args.slots)  # fmt: skip
+                        rank=args.rank, slots=args.slots, checkpointing=args.checkpointing)  # fmt: skip
     console = Console(stderr=True)
     started, commit = time.time(), current_commit()
     try:
@@ -82,13 +83,14 @@ def _document(args: argparse.Namespace, report: dict[str, Any], started: float, 
     size = format_bytes(m["weights_nbytes"])
     cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
     about = (f"LoRA (rank {spec['rank']}, q/k/v/o projections, PEFT) on a {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} "
-             f"weights, random, from a safetensors checkpoint), sequences of {spec['seq_len']} tokens, AdamW; per batch size one step not "
+             f"weights, random, from a safetensors checkpoint), sequences of {spec['seq_len']} tokens, AdamW"
+             f"{', Hugging Face gradient checkpointing (non-reentrant) in every mode' if spec.get('checkpointing') else ''}; per batch size one step not "
              f"measured, then the median of {spec['steps']}. streamed-drive and accelerate-disk under {cap}, resident and streamed-host "
              f"uncapped; every child with MALLOC_MMAP_THRESHOLD_=1048576; {spec['rounds']} round(s) interleaved, medians. Every mode starts "
              f"from the same adapters; its losses (exact) and trained adapters (xxh3) are compared with resident's.")  # fmt: skip
     return {
         "kind": "table",
-        "title": args.title or "LoRA fine-tuning with streamed weights (cpu)",
+        "title": args.title or f"LoRA fine-tuning with streamed weights{' and gradient checkpointing' if spec.get('checkpointing') else ''} (cpu)",
         "about": about,
         "command": getattr(args, "command_line", "gds-offload bench-finetune"),
         "commit": commit,

@@ -44,6 +44,8 @@ class FinetuneSpec:
     steps: int = 2
     rank: int = 8
     slots: int = 2
+    #: Hugging Face gradient checkpointing (non-reentrant) in every mode: each layer recomputed in backward.
+    checkpointing: bool = False
     seed: int = 0
 
 

@@ -4,7 +4,7 @@
 line to its stdin to let it go).
 
 The child loads the model its mode's way with LoRA adapters from PEFT on the attention
-projections, gives every adapter the same values (a seeded normal draw in name order, so
+projections (with Hugging Face gradient checkpointing if the spec asks), gives every adapter the same values (a seeded normal draw in name order, so
 ``lora_B`` is not zero and every gradient is exercised), then for each batch size: one AdamW
 step not measured, then ``steps`` measured ones on the same sequences. It prints one JSON line
 per batch size (:class:`~gds_offload.weights.finetune_bench.StepResult`): the median step time,
@@ -93,6 +93,8 @@ def run_child(spec: FinetuneSpec) -> Iterator[StepResult]:
 
     t = time.perf_counter()
     model, handle = _load(spec)
+    if spec.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     load_s = time.perf_counter() - t
     torch.manual_seed(spec.seed)
     with torch.no_grad():
