@@ -124,25 +124,32 @@ def test_cuda_close_leaves_resident_tensors_on_the_gpu(ckpt_store: tuple[Path, P
     assert h.model.model.rotary_emb.inv_freq.is_cuda
 
 
+#: The tensors trained by the backward tests: resident ones (streamed parameters are frozen).
+_TRAIN = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor, *, checkpointing: bool = False) -> list[torch.Tensor]:
+    """One backward of the language-model loss: ``[loss, grads of _TRAIN...]``."""
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in _TRAIN)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    params = dict(model.named_parameters())
+    return [loss.detach()] + [params[n].grad for n in _TRAIN]
+
+
 @pytest.mark.parametrize("tier", ["drive", "host"])
 def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     """Gradients to the resident tensors through one-slot streamed layers on the GPU (the weights
     read again for backward, :mod:`gds_offload.weights.backward`), with the GPU slowed as above."""
     ckpt, store = ckpt_store
-    train = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-
-    def step(model: torch.nn.Module) -> list[torch.Tensor]:
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in train)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        params = dict(model.named_parameters())
-        return [loss.detach()] + [params[n].grad for n in train]
-
-    want = step(_resident(ckpt).cuda())
+    want = _train_step(_resident(ckpt).cuda(), ids)
     with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
         hooks = _slow_layers(h)
-        got = step(h.model)
+        got = _train_step(h.model, ids)
         for hook in hooks:
             hook.remove()
         assert h.stats().backward_reads == [1] * len(h.stats().streamed_layers)
@@ -155,20 +162,8 @@ def test_cuda_gradient_checkpointing_recomputes_with_the_streamed_weights(ckpt_s
     """Hugging Face gradient checkpointing on the GPU: backward's recompute (on the autograd
     device thread) binds each layer again (:mod:`gds_offload.weights.recompute`)."""
     ckpt, store = ckpt_store
-    train = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-
-    def step(model: torch.nn.Module) -> list[torch.Tensor]:
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in train)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        params = dict(model.named_parameters())
-        return [loss.detach()] + [params[n].grad for n in train]
-
-    want = step(_resident(ckpt).cuda())
+    want = _train_step(_resident(ckpt).cuda(), ids, checkpointing=True)
     with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
-        got = step(h.model)
+        got = _train_step(h.model, ids, checkpointing=True)
     for g, w in zip(got, want):
         assert torch.equal(g, w)

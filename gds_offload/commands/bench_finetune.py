@@ -23,12 +23,12 @@ OURS = ("resident", "drive", "host")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench_weights import _batch_sizes
+    from gds_offload.commands.bench_weights import batch_sizes_arg
     from gds_offload.commands.run_args import positive_int
 
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,4,8)")
+    p.add_argument("--batch-sizes", type=batch_sizes_arg, default=None, help="comma-separated (default 1,4,8)")
     p.add_argument("--seq-len", type=positive_int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--steps", type=positive_int, default=2, help="measured steps per batch size, after one warm-up (default 2)")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")

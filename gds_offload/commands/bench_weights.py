@@ -25,7 +25,7 @@ from typing import Any
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
 
 
-def _batch_sizes(text: str) -> tuple[int, ...]:
+def batch_sizes_arg(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(b) for b in text.split(",") if b.strip())
     except ValueError:
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default 12)")
     p.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (default 16000)")
     p.add_argument("--dtype", default=None, help="float32 (default) or bfloat16")
-    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, help="comma-separated (default 1,8,64)")
+    p.add_argument("--batch-sizes", type=batch_sizes_arg, default=None, help="comma-separated (default 1,8,64)")
     p.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per sequence, the first by the prefill (default 3)")
     p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved; medians are shown (default 1)")

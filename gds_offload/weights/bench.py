@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["BenchModel", "BenchSpec", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "prepare", "remove_offload_folders", "run_bench",
+__all__ = ["BenchModel", "BenchSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "prepare", "remove_offload_folders", "run_bench",
            "run_mode", "run_rounds", "summarize", "weight_files"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
@@ -108,9 +108,9 @@ class BenchSpec:
 
 
 @dataclass
-class ModeResult:
-    """One mode at one batch size (``status``: ``ok`` or ``error`` with ``error`` set). Times and
-    bytes are medians over the child's repeats."""
+class ChildResult:
+    """What every benchmark child reports for one mode at one batch size (``status``: ``ok``, or
+    ``error`` with ``error`` set), and what its parent adds (round, memory group, comparison)."""
 
     mode: str
     batch: int
@@ -118,6 +118,20 @@ class ModeResult:
     status: str = "ok"
     error: str | None = None
     load_s: float | None = None
+    #: Time the model's thread waited for reads (streamed modes).
+    stall_s: float | None = None
+    torch_threads: int | None = None
+    peak_rss_bytes: int | None = None
+    cgroup_peak_bytes: int | None = None
+    cgroup_limit_bytes: int | None = None
+    matches_resident: bool | None = None
+
+
+@dataclass
+class ModeResult(ChildResult):
+    """Inference of one mode at one batch size. Times and bytes are medians over the child's
+    repeats; ``stall_s`` is per prefill + decode."""
+
     prefill_s: float | None = None
     prefill_tokens_per_s: float | None = None
     decode_s: float | None = None
@@ -135,18 +149,11 @@ class ModeResult:
     decode_read_vs_raw: float | None = None
     #: Store bytes the streamed modes filled per forward (their own count).
     store_bytes_per_forward: float | None = None
-    #: Time the model's thread waited for reads, per prefill + decode (streamed modes).
-    stall_s: float | None = None
     engine: str | None = None
-    torch_threads: int | None = None
-    peak_rss_bytes: int | None = None
-    cgroup_peak_bytes: int | None = None
-    cgroup_limit_bytes: int | None = None
     #: Fraction of the checkpoint's and the store's bytes in the page cache when the child started.
     cached_fraction_before: float | None = None
     #: The machine's 1-minute load average when the child started and when it ended (other jobs show here).
     load_avg: tuple[float, float] | None = None
-    matches_resident: bool | None = None
     tokens: list[list[int]] = field(default_factory=list)
     logits_xxh3: str | None = None
 
@@ -220,6 +227,14 @@ def weight_files(checkpoint: Path, store: Path) -> list[Path]:
     return sorted(checkpoint.glob("*.safetensors")) + [dirs[f.dir] / f.path for f in m.files]
 
 
+def child_env() -> dict[str, str]:
+    """A benchmark child's environment: offline, bit-identical kernels across processes (see
+    gds_offload/bench/runner.py), and large frees back to the kernel in every mode (see the module doc)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="1048576")
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")
+    return env
+
+
 def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
     """Run one mode in a child process (under a memory cap if given) after dropping the weights'
     page cache; errors become ``status="error"`` rows."""
@@ -230,9 +245,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     evict(files)
     cached = cached_bytes(files)
     fraction = sum(c for c, _ in cached.values()) / max(1, sum(n for _, n in cached.values()))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes (see gds_offload/bench/runner.py)
-    env["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # every mode: large frees go back to the kernel (see the module doc)
+    env = child_env()
     load_before = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "gds_offload.weights.bench_child", json.dumps(asdict(spec))]
     run = run_capped(cmd, env=env, memory_limit=memory_limit, timeout_s=timeout_s)
@@ -311,10 +324,15 @@ def run_bench(
     }
 
 
-def summarize(rows: list[ModeResult]) -> list[dict[str, Any]]:
-    """Per (mode, batch): medians over rounds of the figures; ``matches_resident`` only if every round matched."""
-    keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_read_bytes_per_s", "drive_bytes_per_token", "prefill_read_bytes",
-            "store_bytes_per_forward", "raw_paired_bytes_per_s", "decode_read_vs_raw", "stall_s", "peak_rss_bytes", "cgroup_peak_bytes", "cgroup_limit_bytes", "cached_fraction_before")  # fmt: skip
+#: The figures :func:`summarize` takes the median of, for inference.
+SUMMARY_KEYS = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_read_bytes_per_s", "drive_bytes_per_token", "prefill_read_bytes",
+                "store_bytes_per_forward", "raw_paired_bytes_per_s", "decode_read_vs_raw", "stall_s", "peak_rss_bytes", "cgroup_peak_bytes",
+                "cgroup_limit_bytes", "cached_fraction_before")  # fmt: skip
+
+
+def summarize(rows: list[Any], keys: tuple[str, ...] = SUMMARY_KEYS) -> list[dict[str, Any]]:
+    r"""Per (mode, batch) of ``rows`` (:class:`ChildResult`\ s): medians over rounds of ``keys``, the
+    errors, and ``matches_resident`` only if every round matched."""
     out = []
     for mode, batch in dict.fromkeys((r.mode, r.batch) for r in rows):
         group = [r for r in rows if (r.mode, r.batch) == (mode, batch)]

@@ -24,33 +24,31 @@ Loading, per mode:
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.children import die_with_parent
 from gds_offload.weights.bench import PREFIX, BenchSpec, ModeResult
+from gds_offload.weights.cgroup import serve_child
 
-__all__ = ["run_child", "load_mode"]
+__all__ = ["run_child", "load_mode", "own_memory", "peak_rss", "read_bytes"]
 
 
-def _read_bytes() -> int:
+def read_bytes() -> int:
     with open("/proc/self/io") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("read_bytes:"))
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
-def _own_memory(model: Any) -> None:
+def own_memory(model: Any) -> None:
     """Copy every real CPU parameter and buffer into ordinary (anonymous) memory, in place."""
     for mod in model.modules():
         for p in mod._parameters.values():
@@ -71,7 +69,7 @@ def load_mode(spec: BenchSpec) -> tuple[Any, Any]:
     if spec.mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint)
         if spec.device == "cpu":
-            _own_memory(model)
+            own_memory(model)
         # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which types it as the unbound function.
         return model.to(spec.device), None  # type: ignore[arg-type]
     if spec.mode in ("drive", "host"):
@@ -89,7 +87,7 @@ def load_mode(spec: BenchSpec) -> tuple[Any, Any]:
         device_map |= {f"model.layers.{i}": "disk" for i in range(cfg.num_hidden_layers)}
         folder = Path(spec.workdir) / f"accelerate-offload-{os.getpid()}"
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint, device_map=device_map, offload_folder=str(folder))
-        _own_memory(model)
+        own_memory(model)
         return model, None
     raise ValueError(f"mode {spec.mode!r} unknown; expected resident, drive, host or accelerate-disk")
 
@@ -104,21 +102,21 @@ def _generate(model: Any, ids: Any, new_tokens: int, sync: Any) -> dict[str, Any
     # All positions' logits (no logits_to_keep=1): the lm_head of a strided last-position slice
     # goes through an MKL path whose low bits depend on buffer addresses, so no mode could match another.
     keep: dict[str, Any] = {}
-    r0, t0 = _read_bytes(), time.perf_counter()
+    r0, t0 = read_bytes(), time.perf_counter()
     out = model(input_ids=ids, use_cache=True, **keep)
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     sync()
-    r1, t1 = _read_bytes(), time.perf_counter()
+    r1, t1 = read_bytes(), time.perf_counter()
     h = xxhash.xxh3_64_hexdigest(out.logits[:, -1].float().contiguous().cpu().numpy().tobytes())
     tokens = [tok]
-    r2, t2 = _read_bytes(), time.perf_counter()
+    r2, t2 = read_bytes(), time.perf_counter()
     for _ in range(new_tokens - 1):
         past = getattr(out, cache_kw, None) if cache_kw == "cache" else out.past_key_values
         out = model(input_ids=tok, use_cache=True, **{cache_kw: past}, **keep)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(tok)
     sync()
-    r3, t3 = _read_bytes(), time.perf_counter()
+    r3, t3 = read_bytes(), time.perf_counter()
     return {"prefill_s": t1 - t0, "decode_s": t3 - t2, "prefill_read": r1 - r0, "decode_read": r3 - r2,
             "tokens": torch.cat(tokens, 1).tolist(), "hash": h}  # fmt: skip
 
@@ -208,18 +206,12 @@ def _result(spec: BenchSpec, batch: int, runs: list[dict[str, Any]], load_s: flo
         r.store_bytes_per_forward = (st1.bytes_read - st0.bytes_read) / forwards
         r.stall_s = (st1.stall_s - st0.stall_s) / spec.repeats
         r.engine = st1.engine
-    r.peak_rss_bytes = _peak_rss()
+    r.peak_rss_bytes = peak_rss()
     return r
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent()  # a parent killed without a chance to reap leaves no child training on
-    spec_d = json.loads(argv[0])
-    spec = BenchSpec(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
-    sys.stdin.readline()  # wait until the parent has put this process in its memory group
-    for r in run_child(spec):
-        print(PREFIX + json.dumps(asdict(r)), flush=True)
-    return 0
+    return serve_child(argv, BenchSpec, run_child, PREFIX)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,16 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gds_offload.errors import ConfigError
 
-__all__ = ["MemoryCap", "CapReport", "ChildRun", "cap_available", "run_capped", "CGROUP_V1_MEMORY"]
+__all__ = ["MemoryCap", "CapReport", "ChildRun", "cap_available", "run_capped", "serve_child", "CGROUP_V1_MEMORY"]
 
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 _counter = itertools.count()
@@ -130,6 +133,24 @@ def run_capped(cmd: list[str], *, env: dict[str, str], memory_limit: int | None,
         reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
         rep = cap.close() if cap is not None else None
     return ChildRun(proc.returncode, out, err, rep)
+
+
+def serve_child(argv: list[str], spec_type: Callable[..., Any], run: Callable[[Any], Iterable[Any]], prefix: str) -> int:
+    """The child's side of :func:`run_capped`: ``argv[0]`` is its spec as JSON (``batch_sizes`` a
+    list); it waits for the parent's line on stdin (it is in its group then), then prints each
+    dataclass ``run(spec)`` yields as one ``prefix``-ed JSON line."""
+    import json
+    from dataclasses import asdict
+
+    from gds_offload.bench.children import die_with_parent
+
+    die_with_parent()  # a parent killed without a chance to reap leaves no child running on
+    spec_d = json.loads(argv[0])
+    spec = spec_type(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
+    sys.stdin.readline()
+    for r in run(spec):
+        print(prefix + json.dumps(asdict(r)), flush=True)
+    return 0
 
 
 def _read_int(path: Path) -> int | None:

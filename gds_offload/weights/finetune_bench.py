@@ -13,14 +13,12 @@ saved, :mod:`gds_offload.weights.backward`), so a larger batch hides the reads b
 from __future__ import annotations
 
 import json
-import os
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gds_offload.weights.bench import CAPPED, BenchModel, prepare, run_rounds, weight_files
+from gds_offload.weights.bench import CAPPED, BenchModel, ChildResult, child_env, prepare, run_rounds, summarize, weight_files
 from gds_offload.weights.manifest import read_manifest
 
 __all__ = ["FinetuneSpec", "StepResult", "PREFIX", "run_finetune_bench", "finetune_table", "MODES"]
@@ -50,32 +48,20 @@ class FinetuneSpec:
 
 
 @dataclass
-class StepResult:
-    """One mode at one batch size (``status``: ``ok`` or ``error`` with ``error`` set)."""
+class StepResult(ChildResult):
+    """LoRA steps of one mode at one batch size; ``stall_s`` is per step."""
 
-    mode: str
-    batch: int
-    round: int = 0
-    status: str = "ok"
-    error: str | None = None
-    load_s: float | None = None
     #: Median time of one step (forward, backward, optimizer), and the tokens it trained on per second.
     step_s: float | None = None
     tokens_per_s: float | None = None
     #: Bytes this process read from storage per step (``/proc/self/io``; page-cache hits excluded).
     read_bytes_per_step: int | None = None
-    #: Streamed modes: store bytes filled into the ring per step, layers read again for backward per step, waits.
+    #: Streamed modes: store bytes filled into the ring per step, layers read again for backward per step.
     store_bytes_per_step: float | None = None
     backward_reads_per_step: float | None = None
-    stall_s: float | None = None
-    torch_threads: int | None = None
-    peak_rss_bytes: int | None = None
-    cgroup_peak_bytes: int | None = None
-    cgroup_limit_bytes: int | None = None
     #: The measured steps' losses (``float.hex``) and an xxh3-64 of the adapters after them.
     losses: list[str] = field(default_factory=list)
     adapters_xxh3: str | None = None
-    matches_resident: bool | None = None
 
 
 def run_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float = 3600) -> list[StepResult]:
@@ -84,10 +70,8 @@ def run_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float =
     from gds_offload.weights.drive import evict
 
     evict(weight_files(Path(spec.checkpoint), Path(spec.store)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="1048576")
-    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # bit-identical kernels across processes
     cmd = [sys.executable, "-m", "gds_offload.weights.finetune_child", json.dumps(asdict(spec))]
-    run = run_capped(cmd, env=env, memory_limit=memory_limit, timeout_s=timeout_s)
+    run = run_capped(cmd, env=child_env(), memory_limit=memory_limit, timeout_s=timeout_s)
     rows = [StepResult(**json.loads(line[len(PREFIX) :])) for line in run.out.splitlines() if line.startswith(PREFIX)]
     done = {r.batch for r in rows}
     if run.returncode != 0 or any(r.status != "ok" for r in rows):
@@ -126,20 +110,10 @@ def run_finetune_bench(base: FinetuneSpec, modes: list[str], *, model: BenchMode
 
 
 def _summarize(rows: list[StepResult]) -> list[dict[str, Any]]:
-    keys = ("step_s", "tokens_per_s", "read_bytes_per_step", "store_bytes_per_step", "backward_reads_per_step", "stall_s",
-            "peak_rss_bytes", "cgroup_peak_bytes", "cgroup_limit_bytes")  # fmt: skip
-    out = []
-    for mode, batch in dict.fromkeys((r.mode, r.batch) for r in rows):
-        group = [r for r in rows if (r.mode, r.batch) == (mode, batch)]
-        ok = [r for r in group if r.status == "ok"]
-        row: dict[str, Any] = {"mode": mode, "batch": batch, "rounds_ok": len(ok), "rounds": len(group),
-                               "errors": sorted({r.error for r in group if r.error})}  # fmt: skip
-        for k in keys:
-            vals = [getattr(r, k) for r in ok if getattr(r, k) is not None]
-            row[k] = statistics.median(vals) if vals else None
-        flags = [r.matches_resident for r in ok]
-        row["matches_resident"] = None if not flags or None in flags else all(flags)
-        out.append(row)
+    out = summarize(rows, ("step_s", "tokens_per_s", "read_bytes_per_step", "store_bytes_per_step", "backward_reads_per_step", "stall_s",
+                           "peak_rss_bytes", "cgroup_peak_bytes", "cgroup_limit_bytes"))  # fmt: skip
+    for row in out:
+        row["errors"] = sorted(set(row["errors"]))  # a peer fails the same way every round
     return out
 
 

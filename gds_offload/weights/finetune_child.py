@@ -21,18 +21,16 @@ Loading, per mode (as :mod:`gds_offload.weights.bench_child`, then ``peft.get_pe
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.children import die_with_parent
-from gds_offload.weights.bench_child import _own_memory, _peak_rss, _read_bytes
+from gds_offload.weights.bench_child import own_memory, peak_rss, read_bytes
+from gds_offload.weights.cgroup import serve_child
 from gds_offload.weights.finetune_bench import PREFIX, FinetuneSpec, StepResult
 
 __all__ = ["run_child"]
@@ -54,7 +52,7 @@ def _load(spec: FinetuneSpec) -> tuple[Any, Any]:
 
     if spec.mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint)
-        _own_memory(model)
+        own_memory(model)
         return peft.get_peft_model(model, _lora(spec)), None
     if spec.mode in ("drive", "host"):
         cfg = transformers.AutoConfig.from_pretrained(spec.store)
@@ -68,7 +66,7 @@ def _load(spec: FinetuneSpec) -> tuple[Any, Any]:
         device_map |= {f"model.layers.{i}": "disk" for i in range(cfg.num_hidden_layers)}
         folder = Path(spec.workdir) / f"accelerate-offload-{os.getpid()}"
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint, device_map=device_map, offload_folder=str(folder))
-        _own_memory(model)
+        own_memory(model)
         return peft.get_peft_model(model, _lora(spec)), None
     raise ValueError(f"mode {spec.mode!r} unknown; expected resident, drive, host or accelerate-disk")
 
@@ -124,29 +122,23 @@ def run_child(spec: FinetuneSpec) -> Iterator[StepResult]:
             r.store_bytes_per_step = (st1.bytes_read - st0.bytes_read) / n
             r.backward_reads_per_step = (sum(st1.backward_reads) - sum(st0.backward_reads)) / n
             r.stall_s = (st1.stall_s - st0.stall_s) / n
-        r.peak_rss_bytes = _peak_rss()
+        r.peak_rss_bytes = peak_rss()
         yield r
     if handle is not None:
         handle.close()
 
 
 def _step(model: Any, opt: Any, ids: Any) -> dict[str, Any]:
-    r0, t0 = _read_bytes(), time.perf_counter()
+    r0, t0 = read_bytes(), time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"s": time.perf_counter() - t0, "read": _read_bytes() - r0, "loss": float(loss).hex()}
+    return {"s": time.perf_counter() - t0, "read": read_bytes() - r0, "loss": float(loss).hex()}
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent()
-    spec_d = json.loads(argv[0])
-    spec = FinetuneSpec(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
-    sys.stdin.readline()  # wait until the parent has put this process in its memory group
-    for r in run_child(spec):
-        print(PREFIX + json.dumps(asdict(r)), flush=True)
-    return 0
+    return serve_child(argv, FinetuneSpec, run_child, PREFIX)
 
 
 if __name__ == "__main__":
