@@ -17,7 +17,8 @@ launchers, which set the same variables, or SLURM's ``srun``):
 ``per_rank([d0, d1, ...])``           entry ``l`` (a directory, or a list of them to stripe);
 ``per_rank({0: d0, 1: d1})``          the same, keyed by local rank
 ``"auto"``                            the NVMe drive closest to this rank's GPU
-                                      (:func:`auto_placement`), in a per-rank subdirectory
+                                      (:func:`~gds_offload.placement.auto_placement`), in a
+                                      per-rank subdirectory
 a directory or list without fields    as given, on every rank
 ====================================  =======================================================
 
@@ -37,9 +38,11 @@ Directories this module chooses (the default, ``"auto"``) are created 0700 when
 missing; directories the caller names (templates, ``per_rank``) must exist, as for
 any explicit ``path``. Nothing here imports torch at module import.
 
-Every form of ``path`` in the table resolves in this one module, ``"auto"``'s drive
-ranking included: each answer is a :class:`Placement` under the same per-rank directory
-and creation rules, and the table above stays next to the code that implements it.
+Every form of ``path`` in the table resolves in :func:`placement`, here: each answer is a
+:class:`~gds_offload.placement.Placement` under the same per-rank directory and creation
+rules, and the table above stays next to the code that implements it. What ``"auto"``
+needs beyond that (probing the node's GPUs and NVMe drives, ranking the drives by PCIe
+distance) is :mod:`gds_offload.placement`.
 """
 from __future__ import annotations
 
@@ -47,13 +50,15 @@ import difflib
 import os
 import string
 import sys
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from gds_offload.errors import ConfigError
+from gds_offload.placement import Placement, _AutoNode, auto_placement, model_gpu, probe_node
+from gds_offload.placement import _Candidate as _Candidate  # re-exported: tests build "auto" nodes from here
+from gds_offload.placement import nvme_candidates as nvme_candidates  # re-exported, as above
 from gds_offload.spill_dir import default_spill_dir, prepare_dir
 
 __all__ = [
@@ -79,11 +84,6 @@ _FIELDS: dict[str, dict[str, str]] = {
     "torchrun": {"rank": "RANK", "local_rank": "LOCAL_RANK"},
     "slurm": {"rank": "SLURM_PROCID", "local_rank": "SLURM_LOCALID"},
 }
-#: Mount points ``"auto"`` never creates a directory in (system trees), unless the default
-#: spill directory already lives there.
-_SYSTEM_MOUNTS = ("/", "/boot", "/efi", "/usr", "/var", "/etc", "/home", "/opt", "/srv", "/snap", "/proc", "/sys", "/dev", "/run")
-#: Local filesystems GDS drives directly (the same set as ``gds-check``'s filesystem check).
-_GDS_FSTYPES = frozenset({"ext4", "xfs"})
 
 
 # --------------------------------------------------------------------------------------
@@ -321,31 +321,8 @@ def fill_template(text: str, env: RankEnv) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Placement: the answer for one rank
+# path= resolved: for this rank, or for every rank of a node
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Placement:
-    """Where one rank spills.
-
-    Attributes:
-        rank: global rank (None outside a launch).
-        local_rank: rank on its node (None when unknown).
-        paths: its spill directories (several: striped).
-        how: how they were chosen (``default``, ``template``, ``per_rank``, ``auto: ...``).
-        create: the directories this module chose, so creates (0700, in this order) when missing.
-        gpu: the GPU ``"auto"`` placed it by, None otherwise.
-        changed: the placement differs from ``path`` as given (False: leave ``path`` as it was).
-    """
-
-    rank: int | None
-    local_rank: int | None
-    paths: tuple[Path, ...]
-    how: str
-    create: tuple[Path, ...] = ()
-    gpu: int | None = None
-    changed: bool = True
-
-
 def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, node: _AutoNode | None = None) -> Placement:
     """Where this process (or the one ``env`` describes) spills, for ``attach(path=path)``.
 
@@ -371,7 +348,7 @@ def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, 
         mine = base / env.subdir
         return Placement(env.rank, env.local_rank, (mine,), "default, per rank", create=(base, mine))
     if isinstance(path, str) and path == AUTO:
-        node = _probe_node() if node is None else node
+        node = probe_node() if node is None else node
         return auto_placement(env, node, gpu=gpu)
     if isinstance(path, PerRank):
         dirs = path.for_local_rank(env)
@@ -416,7 +393,7 @@ def rank_path(
         ConfigError: see :func:`placement`; also a directory that cannot be created.
     """
     renv = rank_env(env)
-    chosen = placement(path, renv, gpu=_model_gpu(model) if isinstance(path, str) and path == AUTO else None)
+    chosen = placement(path, renv, gpu=model_gpu(model) if isinstance(path, str) and path == AUTO else None)
     if not chosen.changed:
         return path
     for d in chosen.create:  # the private base (0700) first, so no rank directory is made under a 0755 parent
@@ -438,163 +415,9 @@ def node_placements(path: Any, local_world_size: int, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     node_rank = _env_int(env, "GROUP_RANK") or _env_int(env, "SLURM_NODEID") or 0
     world = max(local_world_size, _env_int(env, "WORLD_SIZE") or _env_int(env, "SLURM_NTASKS") or 0)
-    node = _probe_node(root) if isinstance(path, str) and path == AUTO else None
+    node = probe_node(root) if isinstance(path, str) and path == AUTO else None
     out = []
     for local in range(local_world_size):
         renv = RankEnv("torchrun", node_rank * local_world_size + local, local, world, local_world_size)
         out.append(placement(path, renv, node=node))
     return out
-
-
-# --------------------------------------------------------------------------------------
-# "auto"
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Candidate:
-    """A directory on one NVMe drive that ``"auto"`` may spill to."""
-
-    dir: Path
-    probe: Any  # gds_offload.check.paths.PathProbe (device filled in)
-
-
-@dataclass(frozen=True)
-class _AutoNode:
-    """What ``"auto"`` knows about the node: its GPUs' PCIe positions and the NVMe candidates."""
-
-    gpus: tuple[Any, ...] = ()  # gds_offload.check.topology.GpuTopology
-    candidates: tuple[_Candidate, ...] = ()
-    default_dir: Path = field(default_factory=default_spill_dir)
-    notes: tuple[str, ...] = ()
-
-
-def _probe_node(root: Path = Path("/")) -> _AutoNode:
-    """Probe GPUs (through torch) and mounted NVMe filesystems; never raises."""
-    from gds_offload.check.node import probe_gpus
-    from gds_offload.check.topology import gpu_topology
-
-    base = default_spill_dir()
-    try:
-        gpus = tuple(gpu_topology(g, root) for g in probe_gpus(root).gpus)
-    except Exception as exc:  # noqa: BLE001 - a probe never raises; no GPU is the answer
-        return _AutoNode(default_dir=base, notes=(f"GPU probe failed: {exc}",))
-    if not gpus:
-        return _AutoNode(default_dir=base)
-    candidates, notes = nvme_candidates(base, root)
-    return _AutoNode(gpus, candidates, base, notes)
-
-
-def nvme_candidates(
-    default_dir: Path, root: Path = Path("/"), *, device_of: Callable[[str], Any] | None = None
-) -> tuple[tuple[_Candidate, ...], tuple[str, ...]]:
-    """One spill directory per NVMe drive holding a writable ext4/xfs filesystem.
-
-    A drive's directory is ``default_dir`` when that lives on it, else
-    ``<mount point>/gds_offload-<uid>``. Skipped: read-only mounts, other filesystems,
-    mount points that are files (container bind mounts of ``/etc/hosts``) or system
-    trees (``/``, ``/boot``, ``/var``, ...), and mount points this user cannot write.
-
-    Returns:
-        The candidates (in ``/proc/mounts`` order, the default directory's drive first)
-        and why others were skipped.
-    """
-    from gds_offload.check.paths import PathProbe, find_mount, probe_block_device, read_mounts
-
-    if device_of is None:
-        device_of = lambda mountpoint: probe_block_device(os.stat(mountpoint).st_dev, root)  # noqa: E731
-    mounts = read_mounts(root)
-    existing = Path(default_dir)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    home = find_mount(Path(os.path.realpath(existing)), mounts)
-    ordered = ([home] if home is not None else []) + [m for m in mounts if m is not home]
-    found: list[_Candidate] = []
-    notes: list[str] = []
-    disks: set[str] = set()
-    for m in ordered:
-        if m.fstype not in _GDS_FSTYPES or "ro" in m.options or not os.path.isdir(m.mountpoint):
-            continue
-        try:
-            device = device_of(m.mountpoint)
-        except OSError:
-            continue
-        if device is None or not device.nvme or not device.disk or device.disk in disks:
-            continue
-        if m is home:
-            target = Path(default_dir)
-        elif m.mountpoint == "/" or any(m.mountpoint == s or m.mountpoint.startswith(s + "/") for s in _SYSTEM_MOUNTS[1:]):
-            notes.append(f"{m.mountpoint} ({device.disk}): a system mount")
-            continue
-        else:
-            target = Path(m.mountpoint) / f"gds_offload-{os.getuid()}"
-        check = target if target.exists() else Path(m.mountpoint)
-        if not os.access(check, os.W_OK | os.X_OK):
-            notes.append(f"{check} ({device.disk}): not writable by uid {os.getuid()}")
-            continue
-        disks.add(device.disk)
-        found.append(_Candidate(target, PathProbe(str(target), exists=True, is_dir=True, writable=True, fstype=m.fstype,
-                                                  mountpoint=m.mountpoint, device=device)))
-    return tuple(found), tuple(notes)
-
-
-def auto_placement(env: RankEnv, node: _AutoNode, *, gpu: int | None = None) -> Placement:
-    """``path="auto"``: the NVMe drive closest to this rank's GPU.
-
-    What it picks, and why:
-
-    * The rank's GPU: ``gpu`` (the device of the attached model's parameters), else the
-      CUDA device numbered like its local rank (torchrun's convention), else GPU 0 when
-      each process sees only its own GPU (``CUDA_VISIBLE_DEVICES`` per rank).
-    * The drive: among :func:`nvme_candidates`, the closest by the PCIe/NUMA affinity
-      ``gds-check`` reports (:func:`~gds_offload.check.topology.pcie_affinity`: ``PIX``
-      before ``PXB``, ``PHB``, ``NODE``, ``SYS``, then fewer hops). A drive behind the
-      GPU's own PCIe switch lets cuFile DMA peer to peer without crossing the CPU; a drive
-      on the other socket makes cuFile bounce every transfer through host memory.
-      Equally close drives are shared out by local rank (rank ``l`` takes the
-      ``l mod n``-th of the ``n`` closest), so ranks spread over drives instead of all
-      taking the first one.
-    * The directory: the candidate's, plus ``rank<r>`` under a distributed launch.
-    * No GPU (a CPU job, or no CUDA), or no writable NVMe ext4/xfs filesystem: the default
-      directory (``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``), per rank under a
-      distributed launch. With GPUs but no drive a warning says so.
-
-    Every rank computes the same answer from the same probes: no communication needed.
-    """
-    def per_rank_dir(base: Path, how: str, **kw: Any) -> Placement:
-        mine = base / env.subdir if env.distributed else base
-        return Placement(env.rank, env.local_rank, (mine,), how, create=(base, mine) if mine != base else (base,), **kw)
-
-    def fallback(why: str) -> Placement:
-        return per_rank_dir(node.default_dir, f"auto: {why}; default directory")
-
-    if not node.gpus:
-        return fallback("no GPU")
-    if not node.candidates:
-        why = "no writable NVMe ext4/xfs filesystem" + (f" ({'; '.join(node.notes)})" if node.notes else "")
-        warnings.warn(f"gds_offload: path='auto' found {why}; spilling to {node.default_dir}", RuntimeWarning, stacklevel=3)
-        return fallback(why)
-    from gds_offload.check.topology import pcie_affinity
-
-    local = env.local_rank or 0
-    indices = [g.index for g in node.gpus]
-    if gpu is not None and gpu in indices:
-        index = gpu
-    elif local in indices:
-        index = local
-    else:
-        index = indices[local % len(indices)] if len(indices) > 1 else indices[0]
-    topo = next(g for g in node.gpus if g.index == index)
-    ranked = sorted(((pcie_affinity(topo, c.probe), i) for i, c in enumerate(node.candidates)), key=lambda a: (a[0].rank, a[1]))
-    best = [(a, i) for a, i in ranked if a.rank == ranked[0][0].rank]
-    affinity, i = best[local % len(best)]
-    how = f"auto: GPU{index} {affinity.link} to {affinity.disk}" + (f", {len(best)} equally close" if len(best) > 1 else "")
-    return per_rank_dir(node.candidates[i].dir, how, gpu=index)
-
-
-def _model_gpu(model: Any) -> int | None:
-    """The CUDA index of ``model``'s first parameter, None when not on a GPU."""
-    if model is None:
-        return None
-    param = next(iter(model.parameters()), None)
-    if param is None or param.device.type != "cuda":
-        return None
-    return param.device.index if param.device.index is not None else 0
