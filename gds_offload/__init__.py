@@ -21,14 +21,15 @@ from gds_offload._version import __version__
 if TYPE_CHECKING:
     from gds_offload.config import OffloadConfig
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
-    from gds_offload.offloader import Offloader, attach, offloader_of
+    from gds_offload.hooks import Offloader
+    from gds_offload.offloader import attach, offloader_of
     from gds_offload.policy import Budget, BudgetError, Plan
     from gds_offload.ranks import PerRank, per_rank
     from gds_offload.stats import LayerStats, OffloadStats
 
 _EXPORTS = {
     "attach": "gds_offload.offloader",
-    "Offloader": "gds_offload.offloader",
+    "Offloader": "gds_offload.hooks",
     "offloader_of": "gds_offload.offloader",
     "OffloadConfig": "gds_offload.config",
     "Budget": "gds_offload.policy",

@@ -84,7 +84,7 @@ def _cuda_ready(device: torch.device) -> Any:
 
 
 class Scheduler:
-    """Owns the pack/unpack hooks' state. Created and driven by :class:`~gds_offload.offloader.Offloader`."""
+    """Owns the pack/unpack hooks' state. Created and driven by :class:`~gds_offload.hooks.Offloader`."""
 
     def __init__(self, config: SchedulerConfig, policy: Policy, engine: Engine, store: SpillStore, stats: OffloadStats) -> None:
         self.config = config

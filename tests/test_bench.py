@@ -260,11 +260,11 @@ def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch
     spec = RunSpec("offload:posix", path=str(tmp_path), **TINY)
     assert exact_in_process(spec)
     # An offloader that changes saved bytes must be caught: corrupt every read (fault injection).
-    import gds_offload.offloader as offloader_mod
+    import gds_offload.hooks as hooks_mod
     from gds_offload.io.faults import Fault, FaultyEngine
 
-    real = offloader_mod.make_engine
-    monkeypatch.setattr(offloader_mod, "make_engine", lambda *a, **kw: FaultyEngine(real(*a, **kw), [Fault("read", "corrupt", 1, 0)]))
+    real = hooks_mod.make_engine
+    monkeypatch.setattr(hooks_mod, "make_engine", lambda *a, **kw: FaultyEngine(real(*a, **kw), [Fault("read", "corrupt", 1, 0)]))
     assert not exact_in_process(spec)
     with pytest.raises(ValueError, match="offload mode"):
         exact_in_process(RunSpec("keep", **TINY))

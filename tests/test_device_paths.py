@@ -524,12 +524,12 @@ def test_only_mode_gds_by_name_is_strict(spill_dir: Path, monkeypatch: pytest.Mo
 
 def test_attach_hands_the_choice_strictness_to_make_engine(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gds_offload
-    from gds_offload import offloader
+    from gds_offload import hooks
     from gds_offload.io.select import Choice, make_engine
 
     seen: list[bool] = []
-    monkeypatch.setattr(offloader, "choose_engine", lambda *a, **k: Choice("posix", "test", strict=True))
-    monkeypatch.setattr(offloader, "make_engine", lambda name, **kw: seen.append(kw["strict"]) or make_engine(name, **kw))
+    monkeypatch.setattr(hooks, "choose_engine", lambda *a, **k: Choice("posix", "test", strict=True))
+    monkeypatch.setattr(hooks, "make_engine", lambda name, **kw: seen.append(kw["strict"]) or make_engine(name, **kw))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with gds_offload.attach(model, path=spill_dir):
         pass

@@ -110,9 +110,9 @@ def test_write_that_completes_at_once_keeps_its_slot(monkeypatch, tmp_path) -> N
     """Regression: a write already done when the scheduler added its done-callback ran the
     callback inside ``pack`` before the handle was counted, so the entry looked released:
     slot freed, source dropped, and backward failed with an AssertionError."""
-    import gds_offload.offloader as offloader_mod
+    import gds_offload.hooks as hooks_mod
 
-    monkeypatch.setattr(offloader_mod, "make_engine", lambda *a, **k: _InlineHostEngine())
+    monkeypatch.setattr(hooks_mod, "make_engine", lambda *a, **k: _InlineHostEngine())
     ref = _train(make_gpt(TINY))
     model = make_gpt(TINY)
     with gds_offload.attach(model, path=tmp_path, mode="host", min_bytes=0, keep_last=0) as off:

@@ -45,7 +45,7 @@ from gds_offload.bench.workload import Workload, build_workload
 if TYPE_CHECKING:
     import torch
 
-    from gds_offload.offloader import Offloader
+    from gds_offload.hooks import Offloader
 
 __all__ = [
     "run_here",

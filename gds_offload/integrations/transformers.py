@@ -30,7 +30,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gds_offload.errors import ConfigError
-from gds_offload.offloader import Offloader, attach
+from gds_offload.hooks import Offloader
+from gds_offload.offloader import attach
 from gds_offload.stats import OffloadStats
 
 __all__ = ["OffloadCallback", "LOG_PREFIX"]

@@ -37,7 +37,7 @@ from gds_offload.errors import ConfigError
 from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
 
 if TYPE_CHECKING:
-    from gds_offload.offloader import Offloader
+    from gds_offload.hooks import Offloader
     from gds_offload.store import Slot
 
 __all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
