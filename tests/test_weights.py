@@ -261,6 +261,17 @@ def test_each_layer_read_once_per_forward(store: Path, ids: torch.Tensor) -> Non
     assert s.misses == 0 and s.wasted_reads == 0 and s.direct
 
 
+def test_a_ring_that_holds_every_layer_reads_each_once(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
+    """With as many slots as streamed layers, a layer stays in its slot between forwards."""
+    with torch.no_grad():
+        want = _resident(ckpt)(ids).logits
+        with load_streamed(_skeleton(store), store, slots=LAYERS) as h:
+            for _ in range(3):
+                assert torch.equal(h(ids).logits, want)
+            s = h.stats()
+    assert s.reads == [1] * LAYERS and s.reused == 2 * LAYERS and s.loads == [3] * LAYERS and s.misses == 0
+
+
 def test_max_memory_keeps_as_many_leading_layers_as_fit(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
     m = read_manifest(store)
     assert m.resident is not None

@@ -52,12 +52,14 @@ __all__ = ["Fill", "Ring", "HostRing", "DeviceRing", "PinnedRing", "make_read_en
 
 @dataclass
 class Fill:
-    """Slot ``slot`` being filled with streamed layer ``pos``: a read (``future``) or a copy (``event``)."""
+    """Slot ``slot`` being filled with streamed layer ``pos``: a read (``future``) or a copy
+    (``event``); or ``held``: the slot still holds the layer's bytes, with nothing to wait for."""
 
     pos: int
     slot: int
     future: IOFuture | None = None
     event: Any = None
+    held: bool = False
 
 
 class Ring:

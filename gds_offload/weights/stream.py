@@ -14,11 +14,13 @@ Hook contracts (both run on the thread that calls the model, and may block it):
   layer's fill (issued earlier; on CUDA, a stream wait where the fill is a copy), or, if
   the layer is not the one predicted, waits for the fills in flight, drops them and
   fills it now (a *miss*); points every parameter of the layer at its slot (views, no
-  copy); then starts filling the next layers, in layer order and wrapping around to the
-  first streamed layer (the next decode step), into every free slot.
+  copy); then starts filling the next layers into every free slot, in the order
+  :mod:`gds_offload.weights.prefetch` predicts (up the layers and around to the first, for
+  the next decode step; down them after a checkpointed forward, for its recompute).
 * ``_post(layer_module, args, output)``, a forward hook: puts the meta placeholders back
   (a layer's parameters are real only during its forward), releases its slot (on CUDA:
-  records an event after the layer's queued kernels) and fills it with the next layer.
+  records an event after the layer's queued kernels) and fills it with the next layer,
+  or keeps the layer there when the next pass starts with it.
 
 Invariant: a slot is written only while no layer's parameters view it and, on CUDA,
 only after the kernels of the last layer that used it have finished, so a layer always
@@ -47,7 +49,6 @@ checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.rec
 """
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import time
@@ -69,8 +70,9 @@ from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
+from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
-from gds_offload.weights.ring import Fill, Ring, make_read_engine, make_ring, wait_read
+from gds_offload.weights.ring import Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
 
 __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
@@ -109,8 +111,11 @@ class StreamStats:
     bytes_read: int = 0
     #: Layer calls that were not the predicted next layer (their fill was not ready).
     misses: int = 0
-    #: Prefetched fills dropped by a miss.
+    #: Prefetched reads dropped by a miss.
     wasted_reads: int = 0
+    #: Layer forwards that found the layer still in a slot, with no read (at a turn: a checkpoint's
+    #: recompute after its forward, the next forward after the recompute; or all streamed layers fit the ring).
+    reused: int = 0
     #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
     stall_s: float = 0.0
     #: Times each layer was read again for backward (the weights autograd saved from it).
@@ -228,14 +233,12 @@ class StreamedModel:
         self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
         self._finalizer = weakref.finalize(self, _shutdown, self._res)
         self._hooks: list[Any] = []
-        self._inflight: collections.deque[Fill] = collections.deque()
-        self._current: tuple[int, int] | None = None
         self._slot_version = 0
-        self._direction = 1  # the order fills are predicted in: up the layers, or down them in a recompute
         self._recompute = Recompute(self._bind_for_recompute, self._release_after_recompute)
         self._closed = False
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
+        self._prefetch: Prefetch | None = None
         try:
             self._loader = PosixEngine(num_threads=num_threads or DEFAULT_THREADS, read_pool_bytes=0)
             self._res.append(self._loader)
@@ -253,7 +256,6 @@ class StreamedModel:
                 self._res.append(self._ring)
                 self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]))
             ring = self._ring.buffers if self._ring else []
-            self._free = list(range(len(ring)))[::-1]
             self._views = [[self._slot_views(g, buf) for buf in ring] for g in self._streamed]
             self._stats = StreamStats(
                 tier=tier,
@@ -275,8 +277,9 @@ class StreamedModel:
                 layer = base.get_submodule(g.name)
                 self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._pre, pos)))
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
-            self._next_pos = 0
-            self._fill()  # the first forward's first layers start now
+            if self._ring is not None:
+                self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
+                self._prefetch.fill()  # the first forward's first layers start now
         except BaseException:
             self.close()
             raise
@@ -299,9 +302,8 @@ class StreamedModel:
         """Block until the fills in flight (the next forward's first layers, prefetched after the
         last layer) have landed. They stay for that forward, which reports any read error; the
         drive is idle afterwards until the next forward starts (e.g. before timing something else)."""
-        for fill in self._inflight:
-            assert self._ring is not None, "fills without a ring"
-            self._ring.settle(fill)
+        if self._prefetch is not None:
+            self._prefetch.settle()
 
     def close(self) -> None:
         """Wait for fills in flight (and, on CUDA, for the device), remove the hooks, close the
@@ -310,13 +312,14 @@ class StreamedModel:
         if self._closed:
             return
         self._closed = True
-        self._drain()
         if self._saved is not None:
             self._saved.exit()
             self._saved.close()
-        if self._current is not None:
-            self._unbind(*self._current)
-            self._current = None
+        if self._prefetch is not None:
+            self._prefetch.drain()
+            if self._prefetch.current is not None:
+                self._unbind(*self._prefetch.current)
+                self._prefetch.current = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -363,41 +366,36 @@ class StreamedModel:
     def _pre(self, pos: int, module: nn.Module, args: Any, *, recompute: bool = False) -> None:
         if self._closed:
             raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
-        if self._current is not None:  # the previous layer's forward raised: its post-hook never ran
+        assert self._prefetch is not None and self._ring is not None and self._saved is not None, "a streamed layer without a ring"
+        if self._prefetch.current is not None:  # the previous layer's forward raised: its post-hook never ran
             self._release()
-        if not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False):
+        checkpointed = not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False)
+        if checkpointed:
             self._recompute.wrap(pos, module)  # backward will run this layer's forward without our hooks
-        self._direction = -1 if recompute else 1  # recomputes go down the layers, as backward does
-        if not (self._inflight and self._inflight[0].pos == pos):
-            if self._inflight:
-                self._stats.misses += 1
-                self._stats.wasted_reads += len(self._inflight)
-                self._drain()
-            self._next_pos = pos
-            self._fill()
-        p = self._inflight.popleft()
-        assert self._ring is not None, "a streamed layer without a ring"
-        try:
-            start = time.perf_counter()
-            self._ring.wait(self._streamed[pos], p)
-            self._stats.stall_s += time.perf_counter() - start
-        except BaseException:
-            self._free.append(p.slot)
-            raise
+        # Recomputes go down the layers, as backward does; a checkpointed forward and a recompute
+        # are each followed by a pass the other way.
+        p = self._prefetch.take(pos, direction=-1 if recompute else 1, turns=recompute or checkpointed)
+        if not p.held:
+            try:
+                start = time.perf_counter()
+                self._ring.wait(self._streamed[pos], p)
+                self._stats.stall_s += time.perf_counter() - start
+            except BaseException:
+                self._prefetch.abandon(p)
+                raise
         for name, tensor in self._views[pos][p.slot]:
             self.binding.place(name, tensor)
-        self._current = (pos, p.slot)
         self._slot_version = self._ring.buffers[p.slot]._version  # shared by every view of the slot
         self._stats.loads[pos] += 1
-        self._fill()
-        assert self._saved is not None, "a streamed layer without its saved-tensor hooks"
         if pos == 0:
             self._saved.clear()  # a new forward: the last backward's layers are done with
         if torch.is_grad_enabled():
             self._saved.enter(pos, p.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
 
     def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
-        if self._current is not None and self._current[0] == pos:
+        assert self._prefetch is not None, "a recompute without a ring"
+        current = self._prefetch.current
+        if current is not None and current[0] == pos:
             return False  # the original forward: the pre-hook bound it
         self._pre(pos, module, (), recompute=True)
         return True
@@ -407,12 +405,11 @@ class StreamedModel:
 
     def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
         # Also runs when the forward raised (always_call): output is None then.
-        if self._current is None or self._current[0] != pos:
+        assert self._prefetch is not None, "a streamed layer without a ring"
+        current = self._prefetch.current
+        if current is None or current[0] != pos:
             return
-        assert self._ring is not None, "a streamed layer without a ring"
-        changed = self._ring.buffers[self._current[1]]._version != self._slot_version
-        self._release()
-        self._fill()
+        changed = not self._release()
         if changed and output is not None:
             # The resident model would keep the change; the next read of this layer would not.
             raise OffloadError(
@@ -421,42 +418,21 @@ class StreamedModel:
                 f"eval mode, or keep the layer resident (resident_layers= or max_memory=)"
             )
 
-    # -- the ring -------------------------------------------------------------------------
-    def _fill(self) -> None:
-        """Start filling the free slots with the next layers (cyclic order)."""
-        n = len(self._streamed)
-        while self._free:
-            pos = self._next_pos
-            if (self._current is not None and self._current[0] == pos) or any(p.pos == pos for p in self._inflight):
-                return  # every streamed layer is in a slot or on its way
-            assert self._ring is not None, "free slots without a ring"
-            g = self._streamed[pos]
-            self._inflight.append(self._ring.start(g, pos, self._free.pop()))
-            self._stats.reads[pos] += 1
-            self._stats.bytes_read += g.nbytes
-            self._next_pos = (pos + self._direction) % n
-
-    def _release(self) -> None:
-        assert self._current is not None and self._ring is not None, "release without a current layer"
-        pos, slot = self._current
+    def _release(self) -> bool:
+        """Take the current layer's weights out and hand its slot back; ``False`` if its forward
+        changed the slot's bytes (its version counter moved)."""
+        assert self._prefetch is not None and self._prefetch.current is not None and self._ring is not None, "release without a current layer"
+        pos, slot = self._prefetch.current
         if self._saved is not None:
             self._saved.exit()
         self._unbind(pos, slot)
-        self._ring.release(slot)
-        self._free.append(slot)
-        self._current = None
+        intact = self._ring.buffers[slot]._version == self._slot_version
+        self._prefetch.put_back(intact=intact)
+        return intact
 
     def _unbind(self, pos: int, slot: int) -> None:
         for name, _ in self._views[pos][slot]:
             self.binding.restore(name)
-
-    def _drain(self) -> None:
-        """Wait for every fill in flight (reads cannot be cancelled) and free their slots."""
-        while self._inflight:
-            p = self._inflight.popleft()
-            assert self._ring is not None, "fills without a ring"
-            self._ring.drop(p)
-            self._free.append(p.slot)
 
 
 def _shutdown(resources: list[Any]) -> None:
