@@ -62,7 +62,8 @@ from gds_offload.io import choose_engine, make_engine
 from gds_offload.io.base import Engine
 from gds_offload.lifetime import InterruptGuard, release, release_finalizer
 from gds_offload.policy import Plan
-from gds_offload.scheduler import Scheduler, SchedulerConfig
+from gds_offload.scheduler import Scheduler
+from gds_offload.scheduler_state import SchedulerConfig
 from gds_offload.stats import OffloadStats
 from gds_offload.store import Slot, SpillStore
 
