@@ -268,6 +268,28 @@ def test_a_checkpointed_forward_without_backward_then_inference(stores: dict[str
     assert s.misses == 1 and s.wasted_reads == 0  # the kept layers were no reads
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_two_checkpointed_forwards_then_one_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, slots: int) -> None:
+    """Accumulating two losses before backward: the recomputes of both forwards follow the
+    second forward, in whatever order autograd runs them; the predictions miss, nothing is wrong."""
+    ckpt, store = stores["llama"]
+    other = torch.roll(ids, 1, dims=1)
+
+    def step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss
+        loss.backward()
+        params = dict(model.named_parameters())
+        return loss.detach(), {n: params[n].grad.clone() for n in LLAMA_TRAIN}
+
+    want = step(_checkpointed(_resident(ckpt, LLAMA_TRAIN)))
+    with load_streamed(_skeleton(store), store, slots=slots) as h:
+        model = _checkpointed(_trainable(h.model, LLAMA_TRAIN))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _assert_equal(step(model), want)
+        assert h.stats().loads == [8] * LAYERS  # two forwards and two recomputes per step
+
+
 def test_lora_with_gradient_checkpointing_equals_resident(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
     ckpt, store = stores["llama"]
     runs = []
