@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["BenchModel", "BenchSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "prepare", "remove_offload_folders", "run_bench",
+__all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "prepare", "remove_offload_folders", "run_bench",
            "run_mode", "run_rounds", "summarize", "weight_files"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
@@ -85,13 +85,19 @@ DEFAULT_MODEL = BenchModel(hidden=2048, intermediate=5632, layers=12, heads=16, 
 
 
 @dataclass(frozen=True)
-class BenchSpec:
-    """One child's work: ``mode`` over ``batch_sizes`` on the checkpoint and its store."""
+class ChildSpec:
+    """What every benchmark child is given: its mode, the checkpoint and store it reads, its working directory."""
 
     mode: str
     checkpoint: str
     store: str
     workdir: str
+
+
+@dataclass(frozen=True)
+class BenchSpec(ChildSpec):
+    """One child's work: ``mode`` over ``batch_sizes`` on the checkpoint and its store."""
+
     batch_sizes: tuple[int, ...] = (1, 8, 64)
     prompt_len: int = 16
     new_tokens: int = 3

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gds_offload.weights.bench import CAPPED, BenchModel, ChildResult, child_env, prepare, run_rounds, summarize, weight_files
+from gds_offload.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_env, prepare, run_rounds, summarize, weight_files
 from gds_offload.weights.manifest import read_manifest
 
 __all__ = ["FinetuneSpec", "StepResult", "PREFIX", "run_finetune_bench", "finetune_table", "MODES"]
@@ -29,13 +29,9 @@ _LABELS = {"resident": "resident", "drive": "streamed-drive", "host": "streamed-
 
 
 @dataclass(frozen=True)
-class FinetuneSpec:
+class FinetuneSpec(ChildSpec):
     """One child's work: ``mode``'s LoRA steps at each of ``batch_sizes`` (sequences of ``seq_len``)."""
 
-    mode: str
-    checkpoint: str
-    store: str
-    workdir: str
     batch_sizes: tuple[int, ...] = (1, 4, 8)
     seq_len: int = 16
     #: Measured AdamW steps per batch size (after one not measured).

@@ -71,7 +71,6 @@ class Prefetch:
         self.current = (pos, fill.slot)
         if fill.held:
             self._stats.reused += 1
-        self.fill()
         return fill
 
     def abandon(self, fill: Fill) -> None:
