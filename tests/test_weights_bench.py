@@ -22,24 +22,30 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
     work = real_disk_base() / f"gds_offload-bench-weights-test-{os.getpid()}"
     out = tmp_path / "report.json"
     try:
-        rc = cli_main(["bench-weights", "--tiny", "--modes", "resident,drive,accelerate-disk", "--batch-sizes", "2",
+        rc = cli_main(["bench-weights", "--tiny", "--modes", "resident,drive,accelerate-disk", "--batch-sizes", "2,3",
                        "--raw-depths", "2", "--workdir", str(work), "--out", str(out)])  # fmt: skip
     finally:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
     doc = json.loads(out.read_text())
-    rows = {r["mode"]: r for r in doc["results"]}
-    assert rc == 0 and set(rows) == {"resident", "drive", "accelerate-disk"} and len(doc["results"]) == 3  # one row per mode and batch
+    assert rc == 0 and len(doc["results"]) == 6  # one row per mode and batch
+    rows = {r["mode"]: r for r in doc["results"] if r["batch"] == 2}
+    assert set(rows) == {"resident", "drive", "accelerate-disk"}
     for r in rows.values():
         assert r["status"] == "ok" and r["matches_resident"] is True, r
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and len(r["tokens"][0]) == 4
         assert 0 <= r["cached_fraction_before"] < 0.5
     # The drive mode fills every layer once per forward (the next forward's first layers are prefetched at the end of each).
     assert rows["drive"]["store_bytes_per_forward"] == doc["model"]["layers_nbytes"]
-    # Its decodes at the smallest batch, bracketed by raw passes of as many bytes.
-    assert rows["drive"]["raw_paired_bytes_per_s"] > 0 and rows["drive"]["decode_read_vs_raw"] > 0
-    assert rows["resident"]["decode_read_vs_raw"] is None and rows["accelerate-disk"]["raw_paired_bytes_per_s"] is None
+    # The decodes of both modes that read the drive, bracketed by raw passes of as many bytes.
+    # (Uncapped, Accelerate's decodes may read nothing: the page cache holds the tiny checkpoint.)
+    for r in doc["results"]:
+        if r["mode"] in ("drive", "accelerate-disk"):
+            floor = 0.0 if r["mode"] == "accelerate-disk" else 1e-9
+            assert r["raw_paired_bytes_per_s"] > 0 and r["decode_read_vs_raw"] >= floor, r
+        else:
+            assert r["raw_paired_bytes_per_s"] is None and r["decode_read_vs_raw"] is None, r
     assert [p["when"] for p in doc["raw_read"]] == ["before", "after"] and all(p["bytes_per_s"] > 0 for p in doc["raw_read"])
     probe = doc["interference"]  # compute timed alone and beside reads: what bounds the drive's targets
     assert probe["alone_s"] > 0 and probe["with_reads_s"] > 0 and probe["read_bytes_per_s"] > 0
@@ -49,9 +55,9 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
     assert {"title", "about", "commit", "machine", "started", "wall_s"} <= set(doc) and doc["plot"] == out.with_suffix(".png").as_posix()
     assert out.with_suffix(".png").stat().st_size > 0
     table = doc["table"]
-    assert len(table["columns"]) == len(table["rows"][0]) and [r[0] for r in table["rows"]] == ["resident", "streamed-drive", "accelerate-disk"]
-    assert all(isinstance(v, str) for row in table["rows"] for v in row) and table["rows"][1][-1] == "yes"
-    assert {t["target"].split(":")[0] for t in doc["targets"]} == {"decode batch 1"}  # batch 2 only: no batch >= 8 targets
+    assert len(table["columns"]) == len(table["rows"][0]) and [r[:2] for r in table["rows"]] == [[m, b] for m in ("resident", "streamed-drive", "accelerate-disk") for b in "23"]
+    assert all(isinstance(v, str) for row in table["rows"] for v in row) and table["rows"][2][-1] == "yes"
+    assert {t["target"].split(":")[0] for t in doc["targets"]} == {"decode batch 1"}  # batches 2 and 3: no batch >= 8 targets
     from gds_offload.bench.report import Section, render_section
 
     page = "\n".join(render_section(Section(out, doc), tmp_path))

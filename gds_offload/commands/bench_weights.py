@@ -137,9 +137,10 @@ def _document(args: argparse.Namespace, report: dict[str, Any], started: float, 
              f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
              f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
              f"{spec['rounds']} round(s) interleaved, medians. "
-             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; streamed-drive's decode at the "
-             f"first batch size is also run {spec.get('paired_raw', 0)} more times after the measured runs, each between raw passes of "
-             f"as many bytes in its own process (x raw around it: the median). On the resident and streamed-host rows, "
+             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; the decodes of streamed-drive and "
+             f"accelerate-disk at each batch size are also run {spec.get('paired_raw', 0)} more times after the measured runs, each "
+             f"between raw passes of as many bytes of the file the mode reads, in its own process (x raw around it: the median; the "
+             f"two modes' use of the drive compares free of its drift). On the resident and streamed-host rows, "
              f"x Accelerate is the ceiling a streamer that cost nothing would reach{_interference_line(report)}.")  # fmt: skip
     title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"
     plot_path = None

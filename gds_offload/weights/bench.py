@@ -107,8 +107,9 @@ class BenchSpec(ChildSpec):
     device: str = "cpu"
     #: Measurements per batch size in the child (medians are reported): the load is paid once.
     repeats: int = 2
-    #: ``drive``, first batch size: this many extra generations after the measured runs, each
-    #: decode bracketed by raw ``O_DIRECT`` passes (:func:`~gds_offload.weights.bench_child.run_child`); 0: none.
+    #: ``drive`` and ``accelerate-disk``, every batch size: this many extra generations after the
+    #: measured runs, each decode bracketed by raw ``O_DIRECT`` passes over the file the mode reads
+    #: (:func:`~gds_offload.weights.bench_child.run_child`); 0: none.
     paired_raw: int = 2
     seed: int = 0
 
@@ -149,8 +150,8 @@ class ModeResult(ChildResult):
     decode_read_bytes_per_s: float | None = None
     #: Bytes read from storage per decoded token.
     drive_bytes_per_token: float | None = None
-    #: ``drive``, first batch size: the raw O_DIRECT rate measured around extra decodes, and the decodes'
-    #: read rate over it (medians of the pairs; see :attr:`BenchSpec.paired_raw`).
+    #: ``drive`` and ``accelerate-disk``: the raw O_DIRECT rate measured around extra decodes, and the
+    #: decodes' read rate over it (medians of the pairs; see :attr:`BenchSpec.paired_raw`).
     raw_paired_bytes_per_s: float | None = None
     decode_read_vs_raw: float | None = None
     #: Store bytes the streamed modes filled per forward (their own count).
@@ -256,7 +257,7 @@ def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: flo
     cmd = [sys.executable, "-m", "gds_offload.weights.bench_child", json.dumps(asdict(spec))]
     run = run_capped(cmd, env=env, memory_limit=memory_limit, timeout_s=timeout_s)
     out, err, rep = run.out, run.err, run.cap
-    # A batch's last line wins: the drive child repeats its first batch's line with the raw pairs.
+    # A batch's last line wins: the drive-reading children repeat each batch's line with the raw pairs.
     rows = list({r["batch"]: r for r in (json.loads(line[len(PREFIX):]) for line in out.splitlines() if line.startswith(PREFIX))}.values())
     if run.returncode != 0:  # the batch sizes it did not report failed
         why = f"child exited {run.returncode}" + (" (killed: out of memory under the cap?)" if run.returncode == -9 else "")

@@ -124,7 +124,8 @@ def _generate(model: Any, ids: Any, new_tokens: int, sync: Any) -> dict[str, Any
 def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
     """Measure ``spec.mode`` in this process (see the module doc); yields each batch size's
     result as soon as it is measured (a child killed by its memory cap keeps the smaller ones),
-    then, for ``drive`` with ``spec.paired_raw``, the first batch's result again with its pairs."""
+    then, for the modes that read the drive (``drive``, ``accelerate-disk``) with
+    ``spec.paired_raw``, each batch's result again with its pairs."""
     import torch
 
     torch.manual_seed(spec.seed)
@@ -138,41 +139,53 @@ def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
     vocab = model.config.vocab_size
     with torch.no_grad():
         _generate(model, torch.zeros(1, 8, dtype=torch.long, device=spec.device), 2, sync)  # warm-up: one-time costs
-        first: tuple[ModeResult, Any] | None = None  # the first batch's result and its inputs
+        measured: list[tuple[ModeResult, Any]] = []  # each batch's result and its inputs
         for batch in spec.batch_sizes:
             ids = torch.randint(0, vocab, (batch, spec.prompt_len), generator=torch.Generator().manual_seed(spec.seed + batch)).to(spec.device)
             st0 = handle.stats() if handle else None
             runs = [_generate(model, ids, spec.new_tokens, sync) for _ in range(spec.repeats)]
             st1 = handle.stats() if handle else None
             r = _result(spec, batch, runs, load_s, st0, st1)
-            first = first or (r, ids)
+            measured.append((r, ids))
             yield r
-        if handle is not None and spec.mode == "drive" and spec.paired_raw and first is not None:
+        if spec.mode in PAIRED_MODES and spec.paired_raw:
             # After every measured run, so that none starts with a prefetch these left settled.
-            _pair_with_raw(first[0], model, handle, spec, first[1], sync)
-            yield first[0]  # again, with the pairs: the parent keeps a batch's last line
+            for r, ids in measured:
+                if r.status == "ok" and spec.new_tokens > 1:
+                    _pair_with_raw(r, model, handle, spec, ids, sync)
+                    yield r  # again, with the pairs: the parent keeps a batch's last line
     if handle is not None:
         handle.close()
+
+
+#: The modes whose decodes read the drive, and are paired with raw passes (:attr:`BenchSpec.paired_raw`).
+PAIRED_MODES = ("drive", "accelerate-disk")
 
 
 def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids: Any, sync: Any) -> None:
     """Set ``r.raw_paired_bytes_per_s`` and ``r.decode_read_vs_raw``: ``spec.paired_raw`` more
     generations, each one's decode bracketed by raw ``O_DIRECT`` passes over as many bytes of
-    the store as a forward streams (as many reads in flight as the engine keeps, the same
-    chunks), the drive idle otherwise (:meth:`StreamedModel.settle`). A drive whose rate drifts
-    over minutes is then compared with itself seconds apart, not with a pass made before
+    the file the mode reads its layers from as a forward reads (the store's data for ``drive``,
+    the checkpoint for ``accelerate-disk``; as many reads in flight as the streamer keeps, the
+    same chunks), the drive idle otherwise (:meth:`StreamedModel.settle`). A drive whose rate
+    drifts over minutes is then compared with itself seconds apart, not with a pass made before
     every mode. These runs come after the measured ones: a prefetch they left settled would favour a prefill."""
     from gds_offload.weights.bench import weight_files
     from gds_offload.weights.drive import raw_read_bandwidth
+    from gds_offload.weights.manifest import read_manifest
     from gds_offload.weights.stream import DEFAULT_THREADS
 
-    data = weight_files(Path(spec.checkpoint), Path(spec.store))[-1]
-    streamed = set(handle.stats().streamed_layers)
-    nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in streamed)
+    files = weight_files(Path(spec.checkpoint), Path(spec.store))
+    if handle is not None:
+        data, streamed = files[-1], set(handle.stats().streamed_layers)
+        nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in streamed)
+    else:  # Accelerate reads every layer from the checkpoint (its first shard stands for the drive)
+        data, nbytes = files[0], sum(g.nbytes for g in read_manifest(Path(spec.store)).layers)
     depth = spec.num_threads or DEFAULT_THREADS
 
     def raw() -> float:
-        handle.settle()
+        if handle is not None:
+            handle.settle()
         return raw_read_bandwidth(data, depths=(depth,), max_bytes=nbytes)[0].bytes_per_s
 
     before, ratios, raws = raw(), [], []
