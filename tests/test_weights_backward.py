@@ -1,7 +1,9 @@
 """Backward through streamed layers (gds_offload.weights.backward): the weights autograd saves
-are read again from the store, so losses and gradients equal the resident model's bit for bit.
-With ``slots=1`` every layer's slot is refilled before backward, so a saved view of it would
-hold another layer's bytes: these tests fail if the saved weights are not read again."""
+are read again from the store (or copied out of the slots still holding the forward's last
+layers), so losses and gradients equal the resident model's bit for bit. With ``slots=1`` every
+layer's slot but the last one's is refilled before backward, and that one as soon as backward
+has copied it, so a saved view of a slot would hold another layer's bytes: these tests fail if
+the saved weights are not read again or copied."""
 from __future__ import annotations
 
 import os
@@ -77,6 +79,13 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, names: tuple[str, ...]) -> 
     return loss.detach(), {n: params[n].grad.clone() for n in names}
 
 
+def _again(streamed: int, slots: int, steps: int = 1) -> tuple[list[int], list[int]]:
+    """``(backward_reads, backward_copies)`` after ``steps`` forward-backward steps: each layer once
+    per step, copied out of its slot for the last ``slots`` layers (still in the ring at the turn), read again for the rest."""
+    held = min(slots, streamed)
+    return [steps] * (streamed - held) + [0] * held, [0] * (streamed - held) + [steps] * held
+
+
 def _assert_equal(got: tuple[torch.Tensor, dict[str, torch.Tensor]], want: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
     assert torch.equal(got[0], want[0])
     assert got[1].keys() == want[1].keys()
@@ -91,10 +100,12 @@ def test_gradients_equal_resident(stores: dict[str, tuple[Path, Path]], ids: tor
     want = _step(_resident(ckpt, names), ids, names)
     with load_streamed(_skeleton(store), store, slots=slots) as h:
         _assert_equal(_step(_trainable(h.model, names), ids, names), want)
-        assert h.stats().backward_reads == [1] * LAYERS  # each layer's weights read once more, for backward
+        s = h.stats()
+        assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots)  # each layer's weights once more, for backward
         with torch.no_grad():
             h(ids)
-        assert h.stats().backward_reads == [1] * LAYERS  # nothing is saved without grad
+        s = h.stats()
+        assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots)  # nothing is saved without grad
 
 
 def test_input_gradients_and_double_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
@@ -135,6 +146,71 @@ def test_backward_waits_for_a_slow_drive(monkeypatch: pytest.MonkeyPatch, stores
         assert reads[0] >= LAYERS
 
 
+def _settle_before_attention_backward(model: torch.nn.Module, settle: object) -> None:
+    """Call ``settle()`` when backward reaches each layer's attention, after its MLP: by then the
+    MLP's backward has taken the layer's weights, and the reads that followed have landed."""
+
+    def hook(_mod: torch.nn.Module, _args: object, out: tuple[torch.Tensor, ...]) -> None:
+        if out[0].requires_grad:
+            out[0].register_hook(lambda g: settle())  # type: ignore[operator]
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_backward_copies_the_layers_left_in_the_ring(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, slots: int) -> None:
+    """The forward's last ``slots`` layers are still in the ring at backward: backward copies them
+    out and the slots fill with the next forward's first layers at once. Each layer's attention
+    backward waits until those fills have landed (``settle``), so a view left pointing into a slot
+    would compute with another layer's bytes. Two steps: the second forward finds its first layers read."""
+    ckpt, store = stores["llama"]
+    ref = _resident(ckpt, LLAMA_TRAIN)
+    _settle_before_attention_backward(ref, lambda: None)
+    want = _step(ref, ids, LLAMA_TRAIN)
+    with load_streamed(_skeleton(store), store, slots=slots) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        _settle_before_attention_backward(model, h.settle)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
+        s = h.stats()
+    assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots, steps=2)
+    assert s.misses == 0 and s.wasted_reads == 0
+    # Every layer once per step, and the first `slots` once more: prefetched after the last backward.
+    assert s.reads == [2 + (p < slots) for p in range(LAYERS)]
+
+
+def test_a_ring_holding_every_layer_copies_each_for_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    ckpt, store = stores["llama"]
+    want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
+    with load_streamed(_skeleton(store), store, slots=LAYERS) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
+        s = h.stats()
+    assert s.reads == [1] * LAYERS and s.backward_reads == [0] * LAYERS and s.backward_copies == [2] * LAYERS
+    assert s.misses == 0 and s.reused == LAYERS  # the second forward reads nothing
+
+
+def test_a_forward_with_grad_and_no_backward_then_inference(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+    """The layers kept for a backward that never comes: the next forward is a miss, not wrong."""
+    ckpt, store = stores["llama"]
+    ref = _resident(ckpt, LLAMA_TRAIN)
+    want_loss = ref(input_ids=ids, labels=ids).loss.detach()
+    with torch.no_grad():
+        want = ref(ids).logits
+    with load_streamed(_skeleton(store), store, slots=2) as h:
+        model = _trainable(h.model, LLAMA_TRAIN)
+        assert torch.equal(model(input_ids=ids, labels=ids).loss.detach(), want_loss)  # no backward
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, want)
+            assert torch.equal(model(ids).logits, want)
+        s = h.stats()
+    assert s.misses == 1 and s.wasted_reads == 0 and s.backward_reads == s.backward_copies == [0] * LAYERS
+
+
 def test_composes_with_activation_offloading(tmp_path: Path, stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
     ckpt, store = stores["llama"]
     want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
@@ -143,7 +219,8 @@ def test_composes_with_activation_offloading(tmp_path: Path, stores: dict[str, t
         with gds_offload.attach(model, path=tmp_path, min_bytes=0, keep_last=0) as off:
             got = _step(model, ids, LLAMA_TRAIN)
         # The activations went to the offloader's hooks (below the streamed layers' own), the weights to the store.
-        assert off.stats().bytes_offloaded > 0 and h.stats().backward_reads == [1] * LAYERS
+        s = h.stats()
+        assert off.stats().bytes_offloaded > 0 and (s.backward_reads, s.backward_copies) == _again(LAYERS, 1)
     _assert_equal(got, want)
 
 
@@ -376,7 +453,8 @@ def test_lora_fine_tuning_equals_resident(stores: dict[str, tuple[Path, Path]], 
                 opt.zero_grad()
                 losses.append(loss.detach())
             runs.append((losses, peft.get_peft_model_state_dict(m)))
-        assert h.stats().backward_reads == [3] * (LAYERS - resident_layers)
+        s = h.stats()
+        assert (s.backward_reads, s.backward_copies) == _again(LAYERS - resident_layers, slots, steps=3)
         for a, b in zip(runs[0][0], runs[1][0]):
             assert torch.equal(a, b)
         assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) == 2 * len(LORA_TARGETS) * LAYERS
@@ -485,7 +563,8 @@ def test_architectures_stream_and_backward_exactly(arch: str, ids: torch.Tensor,
         with torch.no_grad():
             assert torch.equal(h(ids).logits, want_logits)
         _assert_equal(_step(_trainable(h.model, (embed,)), ids, (embed,)), want)
-        assert h.stats().backward_reads == [1, 1, 1]
+        s = h.stats()
+        assert (s.backward_reads, s.backward_copies) == _again(3, 1)
 
 
 def test_a_checkpoint_transformers_converts_at_load_is_refused(tmp_path: Path) -> None:

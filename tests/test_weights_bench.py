@@ -185,7 +185,8 @@ def test_bench_finetune_tiny_end_to_end(tmp_path: Path) -> None:
         for batch in (1, 2):
             r = rows[mode, batch]
             assert r["status"] == "ok" and r["matches_resident"] is True and r["tokens_per_s"] > 0 and len(r["losses"]) == 1, r
-    assert rows["drive", 1]["backward_reads_per_step"] == 4 and rows["drive", 1]["store_bytes_per_step"] > 0
+    # Backward reads every layer again but the `slots` still in the ring after the forward, which it copies.
+    assert rows["drive", 1]["backward_reads_per_step"] == 4 - doc["spec"]["slots"] and rows["drive", 1]["store_bytes_per_step"] > 0
     assert rows["host", 1]["backward_reads_per_step"] == 0  # on the CPU the host tier keeps every layer: nothing to read
     assert rows["resident", 1]["losses"] != rows["resident", 2]["losses"]  # different batches, different losses
     failed = rows["accelerate-disk", 1]

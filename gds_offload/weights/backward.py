@@ -14,12 +14,15 @@ layer runs with grad mode on, :class:`SavedWeights` pushes saved-tensor hooks
   a checkpoint's), or is returned as it is.
 * ``unpack(packed) -> Tensor``, on the thread running backward (it may block it): a
   :class:`SlotRef`'s layer is read again from the store (:meth:`Ring.fetch
-  <gds_offload.weights.ring.Ring.fetch>`, into a buffer of its own) and its view rebuilt;
-  the read of the layer below, which backward reaches next, is started at the same time.
+  <gds_offload.weights.ring.Ring.fetch>`, into a buffer of its own), or copied into one out
+  of the ring slot that still holds it after the forward (``held``,
+  :meth:`Prefetch.copy_held <gds_offload.weights.prefetch.Prefetch.copy_held>`), and its view
+  rebuilt; the read (or copy) of the layer below, which backward reaches next, is started at
+  the same time. Views never point into a slot: autograd may keep them past the slot's next fill.
 
 Invariant: ``unpack(pack(t))`` equals ``t`` in every bit, size, stride, dtype and device:
-the bytes are the store's, which the forward used (with ``verify``, checked again). Two
-fetched layers at most are held, the one backward is in and the next, until their views
+the bytes are the store's, which the forward used (with ``verify``, checked again; a copied
+layer's were checked when its slot was filled). Two fetched layers at most are held, the one backward is in and the next, until their views
 are freed by autograd and the next forward (or :meth:`SavedWeights.clear`) drops them.
 
 .. warning:: The streamed layers' own parameters stay frozen (``requires_grad=False``):
@@ -70,10 +73,12 @@ class SavedWeights:
         ring: the ring whose slots hold the streamed layers (``ring.buffers``).
         groups: the streamed layers, in order (``pos`` indexes them).
         describe: names the model for errors (its store).
+        held: a layer's bytes copied out of the slot still holding them, or ``None`` (read them).
     """
 
-    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str) -> None:
-        self._ring, self._groups, self._describe = ring, groups, describe
+    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str, *,
+                 held: Callable[[int], torch.Tensor | None] | None = None) -> None:  # fmt: skip
+        self._ring, self._groups, self._describe, self._held = ring, groups, describe, held
         # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
         self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
         self._layer: tuple[int, int] | None = None  # (pos, slot) of the layer whose forward is running
@@ -83,8 +88,10 @@ class SavedWeights:
         self._fetched: dict[int, Callable[[], torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        #: Layers read again for backward, per streamed layer (:class:`StreamStats.backward_reads`).
+        #: Layers read again for backward, and copied out of a slot instead, per streamed layer
+        #: (:class:`StreamStats.backward_reads`, ``backward_copies``).
         self.reads = [0] * len(groups)
+        self.copies = [0] * len(groups)
 
     @property
     def active(self) -> bool:
@@ -154,7 +161,7 @@ class SavedWeights:
         return typed.as_strided(packed.size, packed.stride, typed.storage_offset() + packed.offset // typed.element_size())
 
     def _bytes(self, pos: int) -> torch.Tensor:
-        """Layer ``pos``'s bytes, read again; starts reading the layer below it."""
+        """Layer ``pos``'s bytes, read again (or copied); starts reading (or copying) the layer below it."""
         with self._lock:
             if self._closed:
                 raise OffloadError(
@@ -166,7 +173,13 @@ class SavedWeights:
                 if p not in wanted:
                     del self._fetched[p]
             for p in wanted:
-                if p not in self._fetched:
+                if p in self._fetched:
+                    continue
+                buf = self._held(p) if self._held is not None else None
+                if buf is not None:
+                    self._fetched[p] = _given(buf)
+                    self.copies[p] += 1
+                else:
                     self._fetched[p] = _once(self._ring.fetch(self._groups[p]))
                     self.reads[p] += 1
             done = self._fetched[pos]
@@ -180,6 +193,10 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
         return None
+
+
+def _given(buf: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: buf
 
 
 def _once(wait: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -8,9 +8,14 @@ predicts the layers the model calls next and keeps every free slot filling with 
 * within a pass, the layers after the current one, in the pass's direction;
 * past the end of a pass that the next pass repeats in the same direction (inference: the next
   decode step's forward), around to the first layers again;
-* past the end of a pass that *turns* (a checkpointed forward, then its recompute; a recompute,
-  then the next forward): nothing. The pass's last layers stay in their slots as *held* fills,
-  and they are exactly the first layers of the pass that follows, which uses them with no read.
+* past the end of a pass that *turns*: nothing. The pass's last layers stay in their slots as
+  *held* fills, and they are exactly the first layers of what follows, which uses them with no
+  read. A checkpointed forward turns into its recompute, and a recompute into the next forward.
+  Any other forward with grad mode on turns into its backward, which reads the weights autograd
+  saved again (:mod:`gds_offload.weights.backward`): it copies the held layers out of their
+  slots (:meth:`Prefetch.copy_held`), and the slots then fill with the next forward's first
+  layers. (A forward with grad mode on that no backward follows makes the next forward's first
+  layer a miss.)
 
 A slot whose layer has finished keeps that layer's bytes until a fill starts writing it: a
 fill of a layer still lying in a free slot takes that slot and reads nothing (all of a model's
@@ -21,8 +26,8 @@ dropped, and the prediction restarts from that layer. Prediction decides only wh
 when, never which bytes a layer computes with: a fill is used only by the layer it holds, and a
 held slot is one no fill has written since that layer's forward left it unchanged.
 
-Every method runs on the thread calling the model (or running a recompute), one at a time;
-the ring's reads complete on the engine's threads.
+Every method runs on the thread calling the model (or running a recompute or a backward through
+it), one at a time; the ring's reads complete on the engine's threads.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from typing import TYPE_CHECKING
 from gds_offload.weights.ring import Fill, Ring
 
 if TYPE_CHECKING:
+    import torch
+
     from gds_offload.weights.manifest import GroupEntry
     from gds_offload.weights.stream import StreamStats
 
@@ -119,6 +126,23 @@ class Prefetch:
                 self._ring.drop(f)
                 self._holds[f.slot] = None  # the read may have failed
             self._free.append(f.slot)
+
+    def copy_held(self, pos: int) -> torch.Tensor | None:
+        """Backward needs layer ``pos``'s bytes again: a copy of them (:meth:`Ring.copy
+        <gds_offload.weights.ring.Ring.copy>`) out of the slot holding them at the turn after a
+        forward, or ``None`` (read them from the store). The slot is then free, still holding the
+        layer. Once backward has copied every held layer, the free slots fill with the next
+        forward's first layers (backward itself does not read through the ring)."""
+        held = next((f for f in self._inflight if f.held and f.pos == pos), None)
+        if held is None:
+            return None
+        self._inflight.remove(held)
+        buf = self._ring.copy(self._groups[pos], held.slot)
+        self._free.append(held.slot)
+        if not self._inflight:
+            self._direction, self._next, self._turns = 1, 0, False
+            self.fill()
+        return buf
 
     def settle(self) -> None:
         """Block until the reads in flight have landed (they stay for the layers they hold)."""

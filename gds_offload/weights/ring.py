@@ -23,7 +23,8 @@ One interface, three rings (:func:`make_ring` picks one):
 
 Buffer ownership: the ring owns its buffers and the arena; :meth:`Ring.close` waits for
 every fill and for the device before letting them go. A buffer of :meth:`Ring.fetch` (a layer
-read again for backward, :mod:`gds_offload.weights.backward`) belongs to whoever holds it.
+read again for backward, :mod:`gds_offload.weights.backward`) or of :meth:`Ring.copy` (a layer
+copied out of the slot still holding it) belongs to whoever holds it.
 """
 from __future__ import annotations
 
@@ -95,6 +96,19 @@ class Ring:
 
     def close(self) -> None:
         """Wait for fills in flight and for the device; free the buffers. Idempotent."""
+
+    def copy(self, group: GroupEntry, slot: int) -> torch.Tensor:
+        """A new buffer holding the first ``group.padded_nbytes`` of ``slot`` (which holds
+        ``group``'s bytes, its fill finished), owned as :meth:`fetch`'s are. The copy is queued on
+        the calling thread's current stream, which is the one to use the buffer on; the slot's
+        next fill is ordered after it (:meth:`release`)."""
+        buf = self._new_buffer(group.padded_nbytes)
+        buf.copy_(self.buffers[slot][: group.padded_nbytes])
+        self.release(slot)
+        return buf
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        return aligned_host_buffer(nbytes)
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         """Start reading ``group`` into a new buffer on the ring's device, outside the slots;
@@ -169,6 +183,9 @@ class DeviceRing(HostRing):
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
 
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        return _aligned_device_buffer(nbytes, self.device)
+
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         buf = _aligned_device_buffer(group.padded_nbytes, self.device)
         # The caching allocator may hand out memory that queued kernels still read.
@@ -218,6 +235,9 @@ class PinnedRing(Ring):
 
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        return _aligned_device_buffer(nbytes, self.device)
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         base = self.bases[group.name]

@@ -16,7 +16,8 @@ Hook contracts (both run on the thread that calls the model, and may block it):
   fills it now (a *miss*); points every parameter of the layer at its slot (views, no
   copy); then starts filling the next layers into every free slot, in the order
   :mod:`gds_offload.weights.prefetch` predicts (up the layers and around to the first, for
-  the next decode step; down them after a checkpointed forward, for its recompute).
+  the next decode step; after a forward with grad mode on, the last layers stay for its
+  backward, or for a checkpointed forward's recompute, which goes down them).
 * ``_post(layer_module, args, output)``, a forward hook: puts the meta placeholders back
   (a layer's parameters are real only during its forward), releases its slot (on CUDA:
   records an event after the layer's queued kernels) and fills it with the next layer,
@@ -36,7 +37,8 @@ use where they are); nothing happens per forward.
 
 With grad mode on, a streamed layer's forward also runs under saved-tensor hooks
 (:mod:`gds_offload.weights.backward`): the weights autograd saves are read again for
-backward instead of pointing into a slot that is refilled, so gradients to the inputs and
+backward (or copied out of the slots still holding the forward's last layers) instead of
+pointing into a slot that is refilled, so gradients to the inputs and
 to trainable resident tensors equal the resident model's. The post-hook is registered with
 ``always_call=True``, so a forward that raises still pops them and frees the slot. Hugging
 Face gradient checkpointing recomputes a layer without its module hooks: the layer's
@@ -120,6 +122,8 @@ class StreamStats:
     stall_s: float = 0.0
     #: Times each layer was read again for backward (the weights autograd saved from it).
     backward_reads: list[int] = field(default_factory=list)
+    #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.
+    backward_copies: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,7 +258,6 @@ class StreamedModel:
                                    slots=slots, verify=verify, load=self._read_arena)  # fmt: skip
             if self._ring is not None:
                 self._res.append(self._ring)
-                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]))
             ring = self._ring.buffers if self._ring else []
             self._views = [[self._slot_views(g, buf) for buf in ring] for g in self._streamed]
             self._stats = StreamStats(
@@ -279,6 +282,7 @@ class StreamedModel:
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             if self._ring is not None:
                 self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._prefetch.copy_held)
                 self._prefetch.fill()  # the first forward's first layers start now
         except BaseException:
             self.close()
@@ -296,7 +300,8 @@ class StreamedModel:
         """A copy of the counters."""
         s = self._stats
         again = list(self._saved.reads) if self._saved else []
-        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again}))
+        copied = list(self._saved.copies) if self._saved else []
+        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again, "backward_copies": copied}))
 
     def settle(self) -> None:
         """Block until the fills in flight (the next forward's first layers, prefetched after the
@@ -372,9 +377,9 @@ class StreamedModel:
         checkpointed = not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False)
         if checkpointed:
             self._recompute.wrap(pos, module)  # backward will run this layer's forward without our hooks
-        # Recomputes go down the layers, as backward does; a checkpointed forward and a recompute
-        # are each followed by a pass the other way.
-        p = self._prefetch.take(pos, direction=-1 if recompute else 1, turns=recompute or checkpointed)
+        # Recomputes go down the layers, as backward does; a recompute, and a forward with grad mode
+        # on (its backward, or a checkpointed forward's recompute), are each followed by a pass the other way.
+        p = self._prefetch.take(pos, direction=-1 if recompute else 1, turns=recompute or torch.is_grad_enabled())
         if not p.held:
             try:
                 start = time.perf_counter()
