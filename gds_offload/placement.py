@@ -31,7 +31,7 @@ from gds_offload.spill_dir import default_spill_dir
 if TYPE_CHECKING:
     from gds_offload.ranks import RankEnv
 
-__all__ = ["Placement", "auto_placement", "model_gpu", "nvme_candidates", "probe_node"]
+__all__ = ["Placement", "AutoNode", "DriveCandidate", "auto_placement", "model_gpu", "nvme_candidates", "probe_node"]
 
 #: Mount points ``"auto"`` never creates a directory in (system trees), unless the default
 #: spill directory already lives there.
@@ -71,7 +71,7 @@ class Placement:
 # "auto"
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Candidate:
+class DriveCandidate:
     """A directory on one NVMe drive that ``"auto"`` may spill to."""
 
     dir: Path
@@ -79,16 +79,16 @@ class _Candidate:
 
 
 @dataclass(frozen=True)
-class _AutoNode:
+class AutoNode:
     """What ``"auto"`` knows about the node: its GPUs' PCIe positions and the NVMe candidates."""
 
     gpus: tuple[Any, ...] = ()  # gds_offload.check.topology.GpuTopology
-    candidates: tuple[_Candidate, ...] = ()
+    candidates: tuple[DriveCandidate, ...] = ()
     default_dir: Path = field(default_factory=default_spill_dir)
     notes: tuple[str, ...] = ()
 
 
-def probe_node(root: Path = Path("/")) -> _AutoNode:
+def probe_node(root: Path = Path("/")) -> AutoNode:
     """Probe GPUs (through torch) and mounted NVMe filesystems; never raises."""
     from gds_offload.check.node import probe_gpus
     from gds_offload.check.topology import gpu_topology
@@ -97,16 +97,16 @@ def probe_node(root: Path = Path("/")) -> _AutoNode:
     try:
         gpus = tuple(gpu_topology(g, root) for g in probe_gpus(root).gpus)
     except Exception as exc:  # noqa: BLE001 - a probe never raises; no GPU is the answer
-        return _AutoNode(default_dir=base, notes=(f"GPU probe failed: {exc}",))
+        return AutoNode(default_dir=base, notes=(f"GPU probe failed: {exc}",))
     if not gpus:
-        return _AutoNode(default_dir=base)
+        return AutoNode(default_dir=base)
     candidates, notes = nvme_candidates(base, root)
-    return _AutoNode(gpus, candidates, base, notes)
+    return AutoNode(gpus, candidates, base, notes)
 
 
 def nvme_candidates(
     default_dir: Path, root: Path = Path("/"), *, device_of: Callable[[str], Any] | None = None
-) -> tuple[tuple[_Candidate, ...], tuple[str, ...]]:
+) -> tuple[tuple[DriveCandidate, ...], tuple[str, ...]]:
     """One spill directory per NVMe drive holding a writable ext4/xfs filesystem.
 
     A drive's directory is ``default_dir`` when that lives on it, else
@@ -128,7 +128,7 @@ def nvme_candidates(
         existing = existing.parent
     home = find_mount(Path(os.path.realpath(existing)), mounts)
     ordered = ([home] if home is not None else []) + [m for m in mounts if m is not home]
-    found: list[_Candidate] = []
+    found: list[DriveCandidate] = []
     notes: list[str] = []
     disks: set[str] = set()
     for m in ordered:
@@ -152,12 +152,12 @@ def nvme_candidates(
             notes.append(f"{check} ({device.disk}): not writable by uid {os.getuid()}")
             continue
         disks.add(device.disk)
-        found.append(_Candidate(target, PathProbe(str(target), exists=True, is_dir=True, writable=True, fstype=m.fstype,
+        found.append(DriveCandidate(target, PathProbe(str(target), exists=True, is_dir=True, writable=True, fstype=m.fstype,
                                                   mountpoint=m.mountpoint, device=device)))
     return tuple(found), tuple(notes)
 
 
-def auto_placement(env: RankEnv, node: _AutoNode, *, gpu: int | None = None) -> Placement:
+def auto_placement(env: RankEnv, node: AutoNode, *, gpu: int | None = None) -> Placement:
     """``path="auto"``: the NVMe drive closest to this rank's GPU.
 
     What it picks, and why:

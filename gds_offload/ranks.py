@@ -56,9 +56,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from gds_offload.errors import ConfigError
-from gds_offload.placement import Placement, _AutoNode, auto_placement, model_gpu, probe_node
-from gds_offload.placement import _Candidate as _Candidate  # re-exported: tests build "auto" nodes from here
-from gds_offload.placement import nvme_candidates as nvme_candidates  # re-exported, as above
+from gds_offload.placement import AutoNode, Placement, auto_placement, model_gpu, probe_node
+from gds_offload.placement import nvme_candidates as nvme_candidates  # re-exported: callers of placement() find it here
 from gds_offload.spill_dir import default_spill_dir, prepare_dir
 
 __all__ = [
@@ -323,7 +322,7 @@ def fill_template(text: str, env: RankEnv) -> str:
 # --------------------------------------------------------------------------------------
 # path= resolved: for this rank, or for every rank of a node
 # --------------------------------------------------------------------------------------
-def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, node: _AutoNode | None = None) -> Placement:
+def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, node: AutoNode | None = None) -> Placement:
     """Where this process (or the one ``env`` describes) spills, for ``attach(path=path)``.
 
     Args:

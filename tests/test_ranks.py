@@ -19,10 +19,9 @@ import gds_offload
 from gds_offload.check.paths import BlockDevice, PathProbe
 from gds_offload.check.topology import GpuTopology
 from gds_offload.errors import ConfigError
+from gds_offload.placement import AutoNode, DriveCandidate
 from gds_offload.ranks import (
     RankEnv,
-    _AutoNode,
-    _Candidate,
     auto_placement,
     node_placements,
     nvme_candidates,
@@ -131,9 +130,9 @@ def test_attach_under_torchrun_variables(tmp_path, monkeypatch):
 HB0, HB1 = "pci0000:00", "pci0000:80"
 
 
-def _drive(name: str, pci: tuple[str, ...], numa: int, d: str) -> _Candidate:
+def _drive(name: str, pci: tuple[str, ...], numa: int, d: str) -> DriveCandidate:
     dev = BlockDevice("259:0", name, nvme=True, pci_path=pci, numa_node=numa)
-    return _Candidate(Path(d), PathProbe(d, exists=True, device=dev))
+    return DriveCandidate(Path(d), PathProbe(d, exists=True, device=dev))
 
 
 def _gpu(i: int, pci: tuple[str, ...], numa: int) -> GpuTopology:
@@ -143,7 +142,7 @@ def _gpu(i: int, pci: tuple[str, ...], numa: int) -> GpuTopology:
 # Two sockets; on socket 0 one switch holds GPU0, GPU1 and nvme0; socket 1 has nvme1 and nvme2
 # on its root ports and GPU2, GPU3 on their own.
 SW0 = (HB0, "0000:00:01.0", "0000:01:00.0")
-NODE = _AutoNode(
+NODE = AutoNode(
     gpus=(
         _gpu(0, SW0 + ("0000:02:08.0", "0000:03:00.0"), 0),
         _gpu(1, SW0 + ("0000:02:0c.0", "0000:05:00.0"), 0),
@@ -172,7 +171,7 @@ def test_auto_picks_the_closest_drive_and_spreads_ties():
     # The GPU the model is on wins over the local rank's number.
     assert auto_placement(env(0), NODE, gpu=2).gpu == 2
     # One visible GPU per process (CUDA_VISIBLE_DEVICES per rank): its own GPU 0.
-    single = _AutoNode(gpus=(NODE.gpus[2],), candidates=NODE.candidates, default_dir=Path("/tmp/default"))
+    single = AutoNode(gpus=(NODE.gpus[2],), candidates=NODE.candidates, default_dir=Path("/tmp/default"))
     assert auto_placement(env(3), single).paths[0].parent.parent == Path("/mnt/nvme2")
     # Not distributed: no rank subdirectory.
     assert auto_placement(RankEnv(), NODE).paths == (Path("/mnt/nvme0/gds"),)
@@ -180,7 +179,7 @@ def test_auto_picks_the_closest_drive_and_spreads_ties():
 
 def test_auto_ties_are_shared_by_local_rank():
     same = (HB0, "0000:00:01.0", "0000:01:00.0")
-    node = _AutoNode(gpus=tuple(_gpu(i, (), None) for i in range(4)),
+    node = AutoNode(gpus=tuple(_gpu(i, (), None) for i in range(4)),
                      candidates=(_drive("nvme0n1", same, None, "/a"), _drive("nvme1n1", same, None, "/b")),
                      default_dir=Path("/tmp/d"))
     dirs = [auto_placement(RankEnv("torchrun", r, r, 4, 4), node).paths[0].parent for r in range(4)]
@@ -189,11 +188,11 @@ def test_auto_ties_are_shared_by_local_rank():
 
 def test_auto_without_gpus_or_drives_falls_back_to_the_default_per_rank():
     env = RankEnv("torchrun", 1, 1, 2, 2)
-    cpu = auto_placement(env, _AutoNode(default_dir=Path("/tmp/d")))
+    cpu = auto_placement(env, AutoNode(default_dir=Path("/tmp/d")))
     assert cpu.paths == (Path("/tmp/d/rank1"),) and cpu.how == "auto: no GPU; default directory"
     assert cpu.create == (Path("/tmp/d"), Path("/tmp/d/rank1"))
     with pytest.warns(RuntimeWarning, match="found no writable NVMe"):
-        none = auto_placement(env, _AutoNode(gpus=NODE.gpus, default_dir=Path("/tmp/d")))
+        none = auto_placement(env, AutoNode(gpus=NODE.gpus, default_dir=Path("/tmp/d")))
     assert none.paths == (Path("/tmp/d/rank1"),)
     # This machine (no GPU): attach(path="auto") spills to the default directory.
     assert rank_path("auto", env={}) == Path(os.environ["GDS_OFFLOAD_DIR"])

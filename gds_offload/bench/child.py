@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from gds_offload.hooks import Offloader
 
 __all__ = [
+    "emit_event",
     "run_here",
     "exact_in_process",
     "abba_first_half",
@@ -74,7 +75,8 @@ def in_process_verdict(exact: bool) -> str:
     return "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]"
 
 
-def _emit(event: dict[str, Any]) -> None:
+def emit_event(event: dict[str, Any]) -> None:
+    """Write ``event`` to stdout as one line the parent reads (``EVENT_PREFIX`` + JSON)."""
     sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
     sys.stdout.flush()
 
@@ -364,7 +366,7 @@ def _measure(trainer: _Trainer, peak: _Peak) -> int | None:
 
 def run_here(
     spec: RunSpec,
-    emit: Callable[[dict[str, Any]], None] = _emit,
+    emit: Callable[[dict[str, Any]], None] = emit_event,
     workload: Callable[[RunSpec], Workload] = build_workload,
 ) -> RunResult:
     """Run ``spec`` in this process (the child's job; call :func:`~gds_offload.bench.runner.run_mode` instead).
@@ -443,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         result = RunResult(spec.mode, "error", f"{type(exc).__name__}: {exc}", spec.model, spec.device, spec.tokens_per_step)
     result.wall_s = time.perf_counter() - t0
-    _emit({"event": "result", **result.as_dict()})
+    emit_event({"event": "result", **result.as_dict()})
     return 1 if result.status == "error" else 0
 
 

@@ -25,8 +25,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from gds_offload.bench.child import _emit as emit_event
-from gds_offload.bench.child import child_spec, run_here
+from gds_offload.bench.child import child_spec, emit_event, run_here
 from gds_offload.bench.runner import run_mode
 from gds_offload.bench.spec import RunResult, RunSpec, Unavailable
 from gds_offload.bench.torchrun import torchrun_command
