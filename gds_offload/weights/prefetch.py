@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from gds_offload.weights.manifest import GroupEntry
-    from gds_offload.weights.stream import StreamStats
+    from gds_offload.weights.stream_stats import StreamStats
 
 __all__ = ["Prefetch"]
 

@@ -55,7 +55,7 @@ import functools
 import os
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +76,7 @@ from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+from gds_offload.weights.stream_stats import StreamStats
 
 __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
 
@@ -84,49 +85,6 @@ Tier = Literal["drive", "host"]
 #: Half the posix engine's default, since these reads compete with the model for a small
 #: VM's cores. On a GPU the engine's own default applies (KvikIO: 16).
 DEFAULT_THREADS = 4
-
-
-@dataclass
-class StreamStats:
-    """Counters of one :class:`StreamedModel`. Lists are per streamed layer, in layer order."""
-
-    tier: str
-    device: str
-    #: How slots are filled: ``host`` (engine reads into host memory), ``device`` (engine reads
-    #: into device memory), ``pinned`` (copies from pinned host memory), ``none`` (nothing streamed).
-    ring: str
-    engine: str
-    direct: bool
-    slots: int
-    slot_nbytes: int
-    streamed_layers: list[str]
-    resident_layers: list[str]
-    #: Memory on ``device`` holding resident tensors (on the CPU with ``tier="host"``: every layer too).
-    resident_nbytes: int
-    #: Pinned host memory holding the streamed layers (``tier="host"`` on a GPU).
-    host_nbytes: int = 0
-    #: Times each layer's parameters were made real for a forward.
-    loads: list[int] = field(default_factory=list)
-    #: Fills issued for each layer (one per forward, plus the ones prefetched for the next).
-    reads: list[int] = field(default_factory=list)
-    #: Bytes of layers filled into slots (read from the store, or copied from the host tier).
-    bytes_read: int = 0
-    #: Layer calls that were not the predicted next layer (their fill was not ready).
-    misses: int = 0
-    #: Prefetched reads dropped by a miss.
-    wasted_reads: int = 0
-    #: Layer forwards that found the layer still in a slot, with no read (at a turn: a checkpoint's
-    #: recompute after its forward, the next forward after the recompute; or all streamed layers fit the ring).
-    reused: int = 0
-    #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
-    stall_s: float = 0.0
-    #: Times each layer was read again for backward (the weights autograd saved from it).
-    backward_reads: list[int] = field(default_factory=list)
-    #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.
-    backward_copies: list[int] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def load_streamed(
