@@ -76,8 +76,7 @@ class SavedWeights:
         held: a layer's bytes copied out of the slot still holding them, or ``None`` (read them).
     """
 
-    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str, *,
-                 held: Callable[[int], torch.Tensor | None] | None = None) -> None:  # fmt: skip
+    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str, *, held: Callable[[int], torch.Tensor | None]) -> None:
         self._ring, self._groups, self._describe, self._held = ring, groups, describe, held
         # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
         self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
@@ -175,7 +174,7 @@ class SavedWeights:
             for p in wanted:
                 if p in self._fetched:
                     continue
-                buf = self._held(p) if self._held is not None else None
+                buf = self._held(p)
                 if buf is not None:
                     self._fetched[p] = _given(buf)
                     self.copies[p] += 1

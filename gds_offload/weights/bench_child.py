@@ -121,6 +121,10 @@ def _generate(model: Any, ids: Any, new_tokens: int, sync: Any) -> dict[str, Any
             "tokens": torch.cat(tokens, 1).tolist(), "hash": h}  # fmt: skip
 
 
+#: The modes whose decodes read the drive, and are paired with raw passes (:attr:`BenchSpec.paired_raw`).
+PAIRED_MODES = ("drive", "accelerate-disk")
+
+
 def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
     """Measure ``spec.mode`` in this process (see the module doc); yields each batch size's
     result as soon as it is measured (a child killed by its memory cap keeps the smaller ones),
@@ -156,10 +160,6 @@ def run_child(spec: BenchSpec) -> Iterator[ModeResult]:
                     yield r  # again, with the pairs: the parent keeps a batch's last line
     if handle is not None:
         handle.close()
-
-
-#: The modes whose decodes read the drive, and are paired with raw passes (:attr:`BenchSpec.paired_raw`).
-PAIRED_MODES = ("drive", "accelerate-disk")
 
 
 def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids: Any, sync: Any) -> None:

@@ -108,7 +108,9 @@ class Ring:
         return buf
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        return aligned_host_buffer(nbytes)
+        """``nbytes`` of memory of its own where the slots are: page-aligned on the host, 4 KiB-aligned on a GPU."""
+        device = self.buffers[0].device
+        return aligned_host_buffer(nbytes) if device.type == "cpu" else _aligned_device_buffer(nbytes, device)
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         """Start reading ``group`` into a new buffer on the ring's device, outside the slots;
@@ -153,7 +155,7 @@ class HostRing(Ring):
             fill.future.error()  # waits; wait() raises the error later, where the layer needs it
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
-        return self._fetch_into(group, aligned_host_buffer(group.padded_nbytes), None)
+        return self._fetch_into(group, self._new_buffer(group.padded_nbytes), None)
 
     def _fetch_into(self, group: GroupEntry, buf: torch.Tensor, ready: Any) -> Callable[[], torch.Tensor]:
         future = read_group(self.engine, self.files, group, buf, verify=self.verify, ready=ready)
@@ -183,11 +185,8 @@ class DeviceRing(HostRing):
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
 
-    def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        return _aligned_device_buffer(nbytes, self.device)
-
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
-        buf = _aligned_device_buffer(group.padded_nbytes, self.device)
+        buf = self._new_buffer(group.padded_nbytes)
         # The caching allocator may hand out memory that queued kernels still read.
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
@@ -235,9 +234,6 @@ class PinnedRing(Ring):
 
     def release(self, slot: int) -> None:
         self._released[slot].record(torch.cuda.current_stream(self.device))
-
-    def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        return _aligned_device_buffer(nbytes, self.device)
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         base = self.bases[group.name]
