@@ -249,9 +249,9 @@ def test_a_state_from_another_order_is_refused(shards: Path, tmp_path: Path) -> 
         TokenLoader(shards, batch_size=10, seed=1).load_state_dict(state)
     other = tmp_path / "other"
     synthetic(other, 19_000)
-    with pytest.raises(ValueError, match="shards in the directory changed"):
+    with pytest.raises(ValueError, match="taken on other shards"):
         TokenLoader(other, batch_size=10).load_state_dict(state)
-    with pytest.raises(ValueError, match="not a gds_offload.data.TokenLoader/1 state"):
+    with pytest.raises(ValueError, match="not a gds_offload.data.TokenLoader/2 state"):
         TokenLoader(shards, batch_size=10).load_state_dict({"epoch": 3})
 
 

@@ -7,6 +7,8 @@ Examples::
     gds-offload shards --check data/shards                            # can DALI's GDS reader work there?
     gds-offload shards --bench data/shards --out docs/results/loader-cpu.json
 
+The set's index, ``shards.json``, is written last, atomically: a run stopped midway (Ctrl-C,
+``kill -9``) leaves a directory the loader refuses; run it again with ``--overwrite``.
 ``--check`` exits 0 when reads go straight to GPU memory (``gds``), 1 for another reader
 that works (``gpu-compat``, ``cpu``), 2 when the loader cannot run there. The layout and
 why it keeps reads large and aligned: :mod:`gds_offload.data`.

@@ -40,8 +40,8 @@ from gds_offload.errors import ConfigError
 
 __all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES"]
 
-#: ``format`` of :meth:`TokenLoader.state_dict`.
-STATE_FORMAT = "gds_offload.data.TokenLoader/1"
+#: ``format`` of :meth:`TokenLoader.state_dict` (``/1`` identified the shards by names and counts only).
+STATE_FORMAT = "gds_offload.data.TokenLoader/2"
 #: Files whose windows are shuffled together (the pool): 8 files of ~2 MB hold ~16k windows of 512 tokens.
 DEFAULT_POOL_FILES = 8
 #: Unsigned token dtypes and the signed DALI type of the same width they are handed over as.
@@ -240,31 +240,57 @@ class TokenLoader:
         self.epoch, self.window, self.step = epoch, left * self.batch_size, step
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch served, and what the order depends on (for :meth:`load_state_dict`)."""
+        """The position after the last batch served, and what the order depends on (for :meth:`load_state_dict`).
+
+        ``dataset`` is the shards' fingerprint (names, window counts, hashes) and ``files``
+        each shard's xxh3, so that a state resumed on other shards names the one that differs.
+        """
         return {"format": STATE_FORMAT, "epoch": self.epoch, "window": self.window, "step": self.step,
                 "seed": self.seed, "num_shards": self.num_shards, "shard_id": self.shard_id, "batch_size": self.batch_size,
                 "pool_files": self.pool_files, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "dataset": self._fingerprint, "windows": self.shards.windows}
+                "dataset": self._fingerprint, "windows": self.shards.windows, "files": self.shards.file_hashes()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`).
 
+        The state must come from a loader of the same order over the same data set: the
+        shards' names, window counts and bytes (their hashes in ``shards.json``), wherever
+        the directory now is.
+
         Raises:
-            ConfigError: a state from another loader format, or one whose order differs from
-                this loader's (seed, ranks, batch size, pool, shuffling, or other shards).
+            ConfigError: a state from another loader format; one whose order differs from this
+                loader's (seed, ranks, batch size, pool, shuffling); one taken on other shards
+                (the first differing shard named); or a position that is not an int >= 0, or
+                not one a loader reaches (the field and value named).
         """
+        where = "TokenLoader.load_state_dict"
+        if isinstance(state, dict) and state.get("format") == "gds_offload.data.TokenLoader/1":
+            raise ConfigError(f"{where}: a gds_offload.data.TokenLoader/1 state identifies its shards by names and counts "
+                              f"only, so it cannot show it was taken on these; if it was, resume with "
+                              f"TokenLoader(..., start_step={state.get('step')!r})")
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ConfigError(f"TokenLoader.load_state_dict: not a {STATE_FORMAT} state ({type(state).__name__})")
+            raise ConfigError(f"{where}: not a {STATE_FORMAT} state ({type(state).__name__})")
         mine = self.state_dict()
         for key in _MUST_MATCH:
+            if key == "dataset" and state.get(key) != mine[key]:
+                raise ConfigError(f"{where}: the state was taken on other shards ({self.shards.difference(state.get('files'))}); "
+                                  f"resume on the data set it was taken on, or start without it")
             if state.get(key) != mine[key]:
-                what = "the shards in the directory changed" if key == "dataset" else f"{key}={state.get(key)!r} there, {mine[key]!r} here"
-                raise ConfigError(f"TokenLoader.load_state_dict: the state was taken with another order ({what}); "
-                                  f"build the loader as it was when the state was saved")
-        epoch, window, step = int(state["epoch"]), int(state["window"]), int(state["step"])
-        if window > self.plan(epoch).windows or window < 0:
-            raise ConfigError(f"TokenLoader.load_state_dict: window={window} is outside epoch {epoch} "
-                              f"({self.plan(epoch).windows} windows)")
+                raise ConfigError(f"{where}: the state was taken with another order ({key}={state.get(key)!r} there, "
+                                  f"{mine[key]!r} here); build the loader as it was when the state was saved")
+        epoch, window, step = (_position(where, state, key) for key in ("epoch", "window", "step"))
+        plan = self.plan(epoch)
+        if window > plan.windows or (window % self.batch_size and window != plan.windows):
+            raise ConfigError(f"{where}: window={window} is no position in epoch {epoch} ({plan.windows} windows in batches "
+                              f"of {self.batch_size}: a multiple of {self.batch_size}, or {plan.windows} at its end)")
+        expected = -(-window // self.batch_size)
+        for e in range(epoch):  # stops early on a damaged epoch: every epoch has a batch
+            if expected > step:
+                break
+            expected += self.plan(e).steps
+        if step != expected:
+            raise ConfigError(f"{where}: step={step} does not match epoch={epoch}, window={window} (a loader there has "
+                              f"served {'more than ' if expected > step else ''}{expected} batches); the state was edited or mixed from two states")
         self.epoch, self.window, self.step = epoch, window, step
 
     # ------------------------------------------------------------------ batches
@@ -360,6 +386,14 @@ class TokenLoader:
         s = self.shards
         return (f"{s.directory}: {len(s.files)} files, {s.windows} windows of {s.seq + 1} {s.dtype} tokens; "
                 f"rank {self.shard_id}/{self.num_shards}, {self.reader} reader -> {self.device}")
+
+
+def _position(where: str, state: dict[str, Any], key: str) -> int:
+    """``state[key]``, an int >= 0 (numpy's too; not a bool)."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"{where}: {key}={value!r} must be an int >= 0 (the state is damaged, or not from state_dict())")
+    return int(value)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

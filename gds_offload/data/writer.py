@@ -6,12 +6,16 @@ once), and the windows into files of ``windows_per_file`` rows. Only the last fi
 hold fewer. Tokens after the last whole window (fewer than ``seq + 1``) cannot form a
 window; the manifest and the command report how many were left out.
 
+The index (``shards.json``) is written last, atomically, once every shard is on disk: a
+writer stopped at any point (an exception, ``kill -9``, a power cut) leaves a directory
+without it, which the loader refuses. ``overwrite=True`` removes the old index before
+the old shards, so a stopped overwrite leaves no index either, not a mix of two sets.
+
 Text is tokenized byte by byte (:data:`BYTE_VOCAB` = 257: the 256 byte values and
 :data:`EOT` after each file), which needs no vocabulary file and no download.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -21,7 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from gds_offload.data.format import ALIGN_BYTES, FORMAT, MANIFEST_NAME, ShardError, ShardFile, shard_name, write_shard
+from gds_offload.data.format import (
+    ALIGN_BYTES,
+    FORMAT,
+    MANIFEST_NAME,
+    ShardEntry,
+    ShardError,
+    ShardFile,
+    shard_name,
+    write_index,
+    write_shard,
+)
 
 __all__ = [
     "BYTE_VOCAB",
@@ -101,6 +115,8 @@ class WriteSummary:
     tokenizer: str
     windows_per_file: int
     files: list[ShardFile] = field(default_factory=list)
+    #: The index's record of each file (size, modification time, hash), in the order of ``files``.
+    entries: list[ShardEntry] = field(default_factory=list)
     #: Tokens of the stream read.
     stream_tokens: int = 0
     #: Tokens after the last whole window: too few to form one, not in any shard.
@@ -129,7 +145,7 @@ class WriteSummary:
             "stream_tokens": self.stream_tokens,
             "tail_tokens_left_out": self.tail_tokens,
             "sources": self.sources,
-            "files": [{"name": f.path.name, "windows": f.windows} for f in self.files],
+            "files": [e.as_dict() for e in self.entries],
         }
 
 
@@ -209,13 +225,15 @@ class ShardWriter:
         while rows.shape[0] - start >= per_file or (final and start < rows.shape[0]):
             block = rows[start : start + per_file]
             path = self.summary.directory / shard_name(len(self.summary.files))
-            self.summary.files.append(write_shard(path, block))
+            info = write_shard(path, block)
+            self.summary.files.append(info)
+            self.summary.entries.append(ShardEntry.of(info))
             start += block.shape[0]
         rest = rows[start:]
         self._rows, self._row_count = ([rest], int(rest.shape[0])) if rest.shape[0] else ([], 0)
 
     def close(self) -> WriteSummary:
-        """Write the last (shorter) file and the manifest.
+        """Write the last (shorter) file, then the index (:func:`~gds_offload.data.format.write_index`).
 
         Raises:
             ShardError: the stream was shorter than one window (``seq + 1`` tokens).
@@ -228,10 +246,7 @@ class ShardWriter:
         if not self.summary.files:
             raise ShardError(f"the input holds {self.summary.stream_tokens} tokens, shorter than one window of "
                              f"seq + 1 = {self.summary.seq + 1}; add text, or pass a smaller --seq")
-        path = self.summary.directory / MANIFEST_NAME
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.summary.manifest(), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_index(self.summary.directory, self.summary.manifest())
         return self.summary
 
 
@@ -243,12 +258,16 @@ def _prepare_directory(root: Path, overwrite: bool) -> None:
     if foreign:
         raise ShardError(f"output {root} holds {foreign[0].name}, which is not a shard (the loader reads every .npy "
                          f"there); choose an empty directory")
-    old = sorted(root.glob("shard-*.npy*")) + ([root / MANIFEST_NAME] if (root / MANIFEST_NAME).exists() else [])
+    index = root / MANIFEST_NAME
+    old = sorted(root.glob("shard-*.npy*")) + sorted(root.glob(MANIFEST_NAME + "*"))
     if old and not overwrite:
-        raise ShardError(f"output {root} already holds shards ({old[0].name}, ...); pass --overwrite to replace them, "
-                         f"or choose another directory")
+        unfinished = "" if index.exists() else f" (an unfinished set: no {MANIFEST_NAME})"
+        raise ShardError(f"output {root} already holds shards ({old[0].name}, ...){unfinished}; pass --overwrite to replace "
+                         f"them, or choose another directory")
+    if index.exists():  # first: from here on the old set no longer looks complete
+        index.unlink()
     for p in old:
-        p.unlink()
+        p.unlink(missing_ok=True)
 
 
 def write_shards(directory: str | os.PathLike[str], chunks: Iterable[np.ndarray], **kwargs: Any) -> WriteSummary:
