@@ -1,31 +1,44 @@
 """The token data path under faults: an interrupted ``gds-offload shards``, shards changed after
-their index was written, and states from other data sets or damaged.
+their index was written, states from other data sets or damaged, and ranks with uneven shares.
 
 The set's index (``shards.json``) is written last, atomically; the loader refuses a
 directory without it and files it does not describe. A resumed loader refuses a state taken
-on other shards, naming the first one that differs.
+on other shards, naming the first one that differs. Every rank serves as many batches per
+epoch (the README's multi-rank call, on 3 ranks, in one process and under ``torchrun``).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
+from conftest import real_disk_base
 
 from gds_offload.cli import main
-from gds_offload.data.format import MANIFEST_NAME, ShardError, write_shard
+from gds_offload.data.format import MANIFEST_NAME, ShardError, scan_shards, write_shard
 from gds_offload.data.loader import STATE_FORMAT, TokenLoader
+from gds_offload.data.order import plan_epoch
 from gds_offload.data.writer import synthetic_tokens, write_shards
 from gds_offload.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "distributed" / "data_worker.py"
+requires_dali = pytest.mark.skipif(
+    importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None,
+    reason="NVIDIA DALI is not installed (pip install 'gds_offload[data]')",
+)
 #: ``gds-offload shards`` arguments of the ``shards`` fixture's set: 624 windows of 33 tokens, 12 files of 50 and one of 24.
 SET_ARGS = ["--synthetic", "20000", "--seq", "32", "--windows-per-file", "50", "--vocab", "4096"]
 
@@ -34,6 +47,16 @@ def synthetic(path: Path, tokens: np.ndarray | None = None, *, seed: int = 0, ov
     """The set of :data:`SET_ARGS` (``tokens``: another stream of the same length) at ``path``."""
     stream = [tokens] if tokens is not None else synthetic_tokens(20_000, vocab=4096, seed=seed)
     return write_shards(path, stream, seq=32, vocab=4096, tokenizer="synthetic", windows_per_file=50, overwrite=overwrite)
+
+
+def windows_of(path: Path) -> Counter:
+    """Every window of the directory's files, as a multiset of tuples."""
+    return Counter(map(tuple, np.concatenate([np.load(f.path) for f in scan_shards(path).files]).tolist()))
+
+
+def served(batches) -> list[tuple[int, ...]]:
+    """The windows of ``batches`` (input_ids plus the last label) in order."""
+    return [tuple(w) for b in batches for w in torch.cat([b["input_ids"], b["labels"][:, -1:]], 1).tolist()]
 
 
 def rewrite_later(path: Path) -> None:
@@ -194,3 +217,66 @@ def test_a_state_of_the_names_and_counts_format_is_refused_with_the_way_back(sha
     with pytest.raises(ConfigError, match=r"names and counts only.*start_step=5\)"):
         TokenLoader(shards, batch_size=8).load_state_dict(state)
     assert STATE_FORMAT == "gds_offload.data.TokenLoader/2"
+
+
+# ---------------------------------------------------------------------- ranks: as many batches each
+def _plans(shards: Path, epoch: int, ranks: int = 3, batch: int = 8):
+    files = tuple(f.windows for f in scan_shards(shards).files)
+    return [plan_epoch(files, epoch=epoch, seed=0, shard_id=r, num_shards=ranks, batch=batch, pool_files=8) for r in range(ranks)]
+
+
+def _check_epoch(shards: Path, epoch: int, per_rank: list[list[tuple[int, ...]]], sizes: list[list[int]]) -> None:
+    """Every rank the same batches' sizes; its own stream once, then its stream's start again; every window served."""
+    plans = _plans(shards, epoch)
+    most = max(p.rank_windows for p in plans)
+    assert sizes[0] == sizes[1] == sizes[2] and sum(sizes[0]) == most and len(sizes[0]) == -(-most // 8)
+    assert sum((Counter(w[: p.rank_windows]) for w, p in zip(per_rank, plans)), Counter()) == windows_of(shards)
+    for w, p in zip(per_rank, plans):
+        assert len(w) == most and p.repeated == most - p.rank_windows
+        assert w[p.rank_windows :] == w[: p.repeated]
+    assert sum(p.repeated for p in plans) > 0  # the case the ranks would hang on
+
+
+@requires_dali
+def test_the_readme_call_gives_three_ranks_as_many_batches(shards: Path) -> None:
+    loaders = [TokenLoader(shards, batch_size=8, shard_id=rank, num_shards=3, seed=0) for rank in range(3)]
+    for epoch in range(2):
+        assert len({len(lo) for lo in loaders}) == 1
+        batches = [list(lo) for lo in loaders]
+        _check_epoch(shards, epoch, [served(b) for b in batches], [[x["input_ids"].shape[0] for x in b] for b in batches])
+
+
+@requires_dali
+def test_a_rank_resumes_exactly_inside_its_repeated_windows(shards: Path) -> None:
+    plan = next(p for p in _plans(shards, 0) if p.repeated >= 16)
+    rank = _plans(shards, 0).index(plan)
+    full = served(TokenLoader(shards, batch_size=8, shard_id=rank, num_shards=3))
+    cut = plan.rank_windows // 8 + 1  # a step inside the repeats
+    first = TokenLoader(shards, batch_size=8, shard_id=rank, num_shards=3)
+    it = iter(first)
+    for _ in range(cut):
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = TokenLoader(shards, batch_size=8, shard_id=rank, num_shards=3)
+    resumed.load_state_dict(state)
+    assert served(resumed) == full[cut * 8 :] and resumed.epoch == 1
+    assert served(TokenLoader(shards, batch_size=8, shard_id=rank, num_shards=3, start_step=cut)) == full[cut * 8 :]
+
+
+@requires_dali
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_three_torchrun_ranks_step_together_under_ddp(shards: Path) -> None:
+    out = Path(tempfile.mkdtemp(prefix="gds_offload-data-ranks-", dir=real_disk_base()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--monitor-interval", "0.2", "--standalone",
+           str(WORKER), str(shards), str(out), "2"]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    for epoch in range(2):
+        records = [r[epoch] for r in ranks]
+        assert [r["disagreed"] for r in records] == [None] * 3, "a rank ran out of batches before the others"
+        _check_epoch(shards, epoch, [list(map(tuple, r["windows"])) for r in records], [r["sizes"] for r in records])

@@ -144,9 +144,15 @@ class TokenLoader:
     Iterating serves the rest of the current epoch, then moves to the next: ``for batch in
     loader`` once per epoch, or :meth:`batches` for an endless stream. :meth:`state_dict` is
     the position after the last batch handed out; :meth:`load_state_dict` or ``start_step``
-    resume there exactly. Every window of the rank's files is served once per epoch
-    (``drop_last=True``: the same number of whole batches on every rank, the rest left out
-    with a warning).
+    resume there exactly.
+
+    Every rank serves the same number of batches per epoch, of the same sizes (DDP steps
+    all ranks together; see :mod:`gds_offload.data.order`). With ``drop_last=False`` every
+    window of the directory is served once per epoch, and ranks holding fewer windows than
+    the rank with the most serve the first windows of their epoch's stream again to match
+    it (``plan().repeated`` says how many; one rank repeats nothing); the last batch may be
+    short. With ``drop_last=True`` every batch is whole and each rank serves the whole
+    batches the rank with the fewest windows fills; the rest is left out, with a warning.
 
     Args:
         directory: a directory ``gds-offload shards`` wrote.
@@ -158,7 +164,8 @@ class TokenLoader:
         device: ``"auto"`` (CUDA if torch sees a GPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: where batches are.
         reader: ``"auto"`` (GPU reader on a CUDA device where cuFile is found, else CPU), ``"gpu"`` or ``"cpu"``.
         shuffle: permute files and windows (False: file order, then row order).
-        drop_last: equal whole batches on every rank (for DDP); leaves out the remainder.
+        drop_last: only whole batches (as many on every rank), leaving the remainder out;
+            False: every window, ranks with fewer repeating some (as many batches on every rank).
         pool_files: files whose windows are shuffled together.
         num_threads: DALI worker threads.
         prefetch: DALI's prefetch queue depth (pools read ahead).
@@ -335,6 +342,17 @@ class TokenLoader:
             yield from self
 
     def _pools(self, plan: EpochPlan, window: int) -> Generator[_Pool, None, None]:
+        """The pools of ``plan``'s stream from window ``window`` on, and the stream again from its start, endlessly.
+
+        Window ``w`` of the epoch is window ``w % plan.rank_windows`` of the stream: past
+        the rank's own windows, a rank with fewer than others serves its stream again.
+        """
+        start = window % plan.rank_windows
+        while True:
+            yield from self._pass(plan, start)
+            start = 0
+
+    def _pass(self, plan: EpochPlan, window: int) -> Generator[_Pool, None, None]:
         """Each pool from the one holding ``window`` (cut to start there), on the batches' device."""
         first = plan.pool_of(window)
         skip = window - plan.pool_start(first)

@@ -6,8 +6,20 @@ its files in that order (those shorter than the longest moved to the end, so tha
 last pool mixes lengths) and groups them into *pools* of ``pool_files`` consecutive files; the
 windows of a pool are permuted by ``default_rng([seed, e, rank, pool])``. The epoch's window
 stream is the pools one after another; batch ``t`` of the epoch is windows
-``[t * batch, (t + 1) * batch)`` of that stream. Every window of the rank's files appears
-exactly once per epoch, and across ranks every window of the directory exactly once.
+``[t * batch, (t + 1) * batch)`` of that stream.
+
+Every rank serves the same number of windows in an epoch, hence the same number of batches
+(DDP needs every rank to step together). Ranks hold different windows (whole files are
+dealt, and files may differ in length), so, as ``torch``'s ``DistributedSampler`` does:
+
+* ``drop_last=False`` (the default): every rank serves as many windows as the rank with
+  the most; a rank with fewer serves its stream, then its stream again from the start
+  until it has as many (window ``w`` of the epoch is window ``w % rank_windows`` of the
+  stream). Every window of the directory is served at least once per epoch; the repeated
+  ones are the first :attr:`EpochPlan.repeated` of each short rank's stream. With one
+  rank nothing is repeated: every window exactly once.
+* ``drop_last=True``: every rank serves the whole batches of the rank with the fewest
+  windows; the rest of each stream is left out (:attr:`EpochPlan.left_out`).
 
 A position is ``(epoch, window)``: the windows this rank has served in that epoch. Resuming
 at a position re-reads only the pool that holds it (see :class:`EpochPlan.pool_of`).
@@ -31,8 +43,8 @@ class EpochPlan:
         file_windows: windows of each of those files.
         pool_files: files per pool.
         batch: windows per batch.
-        windows: windows this rank serves in the epoch (after ``drop_last``).
-        rank_windows: windows in this rank's files (``windows`` plus what ``drop_last`` leaves out).
+        windows: windows this rank serves in the epoch (the same on every rank).
+        rank_windows: windows in this rank's files (its stream's length).
     """
 
     epoch: int
@@ -46,7 +58,12 @@ class EpochPlan:
     @property
     def left_out(self) -> int:
         """Windows of this rank's files that ``drop_last`` leaves out of the epoch."""
-        return self.rank_windows - self.windows
+        return max(0, self.rank_windows - self.windows)
+
+    @property
+    def repeated(self) -> int:
+        """Windows served twice (or more) to match the rank with the most: ``windows - rank_windows``, or 0."""
+        return max(0, self.windows - self.rank_windows)
 
     @property
     def steps(self) -> int:
@@ -81,23 +98,19 @@ def plan_epoch(file_windows: tuple[int, ...], *, epoch: int, seed: int, shard_id
                batch: int, pool_files: int, shuffle: bool = True, drop_last: bool = False) -> EpochPlan:
     """Rank ``shard_id``'s plan for ``epoch`` over files of ``file_windows`` windows each.
 
-    ``drop_last=False`` serves every window of the rank's files (the last batch may be
-    short, and ranks may serve different counts). ``drop_last=True`` serves, on every
-    rank, the same number of whole batches: those the rank with the fewest windows
-    fills; the rest of the stream is left out (:attr:`EpochPlan.left_out` says how many).
+    Every rank gets the same :attr:`EpochPlan.windows`: ``drop_last=False``, those of the rank
+    with the most (the others repeat the start of their streams; the last batch may be short,
+    equally on every rank); ``drop_last=True``, the whole batches of the rank with the fewest
+    (the rest of each stream is left out).
     """
     files = _rank_files(len(file_windows), seed=seed, epoch=epoch, shard_id=shard_id, num_shards=num_shards, shuffle=shuffle)
     full = max(file_windows)
     files = np.concatenate([files[[file_windows[i] == full for i in files]], files[[file_windows[i] < full for i in files]]])
     counts = tuple(int(file_windows[i]) for i in files)
-    windows = sum(counts)
-    if drop_last:
-        fewest = min(
-            sum(int(file_windows[i]) for i in _rank_files(len(file_windows), seed=seed, epoch=epoch, shard_id=r,
-                                                         num_shards=num_shards, shuffle=shuffle))
-            for r in range(num_shards)
-        )
-        windows = fewest // batch * batch
+    per_rank = [sum(int(file_windows[i]) for i in _rank_files(len(file_windows), seed=seed, epoch=epoch, shard_id=r,
+                                                               num_shards=num_shards, shuffle=shuffle))
+                for r in range(num_shards)]
+    windows = min(per_rank) // batch * batch if drop_last else max(per_rank)
     return EpochPlan(epoch, tuple(int(i) for i in files), counts, pool_files, batch, windows, sum(counts))
 
 
