@@ -7,8 +7,10 @@ Examples::
     gds-offload convert --check /mnt/nvme0/llama-store                # check an existing store only
     gds-offload convert ./ckpt /mnt/nvme0/s /mnt/nvme1/s              # stripe layers over two drives
 
-Exit status: 0 done (and checked), 1 a checksum mismatch (the layer is named), 2 a usage
-or input error (no checkpoint, no room: nothing was written).
+Exit status: 0 done (and checked), 1 a checksum mismatch (the layer is named), 2 anything
+else, in one line naming the file and the problem: a usage or input error (no checkpoint, a
+damaged one, an output directory that holds other files), no room (nothing was written, or,
+when the drive filled up meanwhile, nothing was left), a damaged or untrusted store, an I/O error.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class _Bar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.errors import ConfigError
+    from gds_offload.errors import ConfigError, OffloadError
     from gds_offload.units import format_bytes
     from gds_offload.weights import StoreCorruptError, StoreSpaceError, convert, verify_store
 
@@ -85,9 +87,18 @@ def run(args: argparse.Namespace) -> int:
         result["check"] = {"ok": False, "error": str(exc)}
         print(json.dumps(result, indent=2) if args.json else f"check FAILED: {exc}", file=sys.stdout if args.json else sys.stderr)
         return 1
-    except (ConfigError, StoreSpaceError) as exc:
-        print(f"gds-offload convert: {exc}", file=sys.stderr)
+    except (ConfigError, StoreSpaceError, OffloadError) as exc:
+        print(f"gds-offload convert: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an I/O error outside what the library names: the file and the OS's words
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"gds-offload convert: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result, indent=2))
     return 0
+
+
+def _one_line(msg: str) -> str:
+    """``msg`` on one line (a mismatch listing spans several)."""
+    return " ".join(part.strip() for part in msg.splitlines() if part.strip())

@@ -9,7 +9,14 @@ KvikIO/GPUDirect Storage) while the previous layer computes.
 from __future__ import annotations
 
 from gds_offload.weights.convert import StoreCheck, convert, verify_store
-from gds_offload.weights.errors import ConfigMismatchError, StoreCorruptError, StoreFormatError, StoreSpaceError, WeightsMismatchError
+from gds_offload.weights.errors import (
+    ConfigMismatchError,
+    StoreCorruptError,
+    StoreFormatError,
+    StoreSpaceError,
+    StoreTrustError,
+    WeightsMismatchError,
+)
 from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
 from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 
@@ -27,6 +34,7 @@ __all__ = [
     "FileEntry",
     "StoreCheck",
     "StoreFormatError",
+    "StoreTrustError",
     "StoreSpaceError",
     "StoreCorruptError",
     "WeightsMismatchError",

@@ -4,7 +4,9 @@
 device, or anywhere) with the manifest, tied weights included: names that hold the same
 tensor object (``lm_head.weight`` and ``model.embed_tokens.weight`` under
 ``tie_word_embeddings``) form one *alias group*, satisfied by any one of its names in the
-store, and get one shared tensor, so the tie survives. Any difference is reported at
+store, and get one shared tensor, so the tie survives. As ``from_pretrained`` does, a tie
+whose names the store holds with different values (a config that says tie over a checkpoint
+with its own ``lm_head``) is broken: each name gets its own tensor. Any difference is reported at
 once, all of it: :class:`~gds_offload.weights.errors.WeightsMismatchError`.
 
 :meth:`Binding.place` swaps a tensor into every place its alias group occupies
@@ -135,23 +137,18 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         if any(n is None for n in renamed):
             continue
         names = [store_of.get(n, n) for n in renamed if n is not None]
-        stored = [n for n in names if n in entries]
+        stored = list(dict.fromkeys(n for n in names if n in entries))
         used.update(stored)
         if not stored:
             missing.append(names[0] + (f" (tied with {', '.join(names[1:])})" if len(names) > 1 else ""))
             continue
-        name, model_t = stored[0], targets[0].placeholder
-        e = entries[name]
-        if tuple(model_t.shape) != e.shape or _dtype_name(model_t) != e.dtype:
-            misshaped.append(f"{name}: model {_dtype_name(model_t)} {tuple(model_t.shape)}, store {e.dtype} {e.shape}")
+        if len(stored) > 1 and _tie_breaks(names, stored, entries):
+            # transformers' rule (PreTrainedModel.tie_weights in from_pretrained): tied names the checkpoint
+            # holds with different values are untied, each getting its own; so here.
+            for name in stored:
+                _bind_one(binding, entries[name], [t for n, t in zip(names, targets) if n == name], [name], misshaped)
             continue
-        if e.group != RESIDENT and any(not n.startswith(e.group + ".") for n in names):
-            raise ConfigError(
-                f"{', '.join(names)} are one tied tensor, stored with layer {e.group} but used outside it; "
-                f"a streamed layer cannot share weights with other modules. Keep that layer resident (resident_layers=)"
-            )
-        binding.entries[name] = e
-        binding.targets[name] = targets
+        _bind_one(binding, entries[stored[0]], targets, names, misshaped)
     extra = sorted(set(entries) - used)
     if missing or extra or misshaped:
         msg = f"the model does not match the weight store at {where}:"
@@ -169,6 +166,49 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         if t.name in binding.entries:
             binding.by_group.setdefault(t.group, []).append(t.name)
     return binding
+
+
+def _bind_one(binding: Binding, e: TensorEntry, targets: list[Target], names: list[str], misshaped: list[str]) -> None:
+    """Bind the store tensor ``e`` to ``targets`` (the places of ``names``, one tensor in the model)."""
+    model_t = targets[0].placeholder
+    if tuple(model_t.shape) != e.shape or _dtype_name(model_t) != e.dtype:
+        misshaped.append(f"{e.name}: model {_dtype_name(model_t)} {tuple(model_t.shape)}, store {e.dtype} {e.shape}")
+        return
+    if e.group != RESIDENT and any(not n.startswith(e.group + ".") for n in names):
+        raise ConfigError(
+            f"{', '.join(names)} are one tied tensor, stored with layer {e.group} but used outside it; "
+            f"a streamed layer cannot share weights with other modules. Keep that layer resident (resident_layers=)"
+        )
+    binding.entries[e.name] = e
+    binding.targets[e.name] = targets
+
+
+def _tie_breaks(names: list[str], stored: list[str], entries: dict[str, TensorEntry]) -> bool:
+    """Whether a tied tensor whose names the store holds several of must be untied: transformers
+    ties them only when the checkpoint's tensors are equal (here: the same dtype, shape and
+    xxh3-64 of the bytes), and otherwise gives each name its own.
+
+    Raises:
+        ConfigError: the store cannot tell (a format 1 store records no tensor checksums), or some
+            of the names are not stored, so one of the differing tensors would have to stand in for them.
+    """
+    es = [entries[n] for n in stored]
+    alike = all((e.dtype, e.shape) == (es[0].dtype, es[0].shape) for e in es)
+    if alike and any(e.xxh3_64 is None for e in es):
+        raise ConfigError(
+            f"the model ties {', '.join(names)} (e.g. tie_word_embeddings=True in its config), and the store holds "
+            f"{' and '.join(stored)}; transformers ties them only if the checkpoint's tensors are equal, and this store "
+            f"(format 1) records no tensor checksums to tell. Convert the checkpoint again (gds-offload convert --force)"
+        )
+    if alike and len({e.xxh3_64 for e in es}) == 1:
+        return False
+    if len(stored) != len(set(names)):
+        raise ConfigError(
+            f"the model ties {', '.join(names)}, and the store holds {' and '.join(stored)} with different values, but "
+            f"not {', '.join(sorted(set(names) - set(stored)))}: which of them it takes is ambiguous. Set the config's "
+            f"tie_word_embeddings to match the checkpoint, or convert a checkpoint that holds one of them"
+        )
+    return True
 
 
 def checkpoint_renames(model: nn.Module) -> Callable[[str], str]:

@@ -9,19 +9,27 @@ the largest group, plus one tensor.
 
 Order of work, so a failure leaves nothing half-done that looks complete:
 
-1. read the headers, plan the layout (:func:`~gds_offload.weights.checkpoint.plan_layout`);
-2. check free space on every output filesystem (:func:`free_bytes`), then reserve the files
+1. read the headers and configs, plan the layout (:func:`~gds_offload.weights.checkpoint.plan_layout`);
+2. judge the output directories (:func:`~gds_offload.weights.outdir.prepare_dirs`: new, empty
+   or holding a store of ours; nothing changes unless all pass), create or empty them;
+3. check free space on every output filesystem (:func:`free_bytes`), then reserve the files
    whole with ``posix_fallocate``: a drive too small fails here, before any byte is written;
-3. write the groups into ``weights.bin.partial``, fsync, rename to ``weights.bin``;
-4. write ``manifest.json`` last (its presence marks a complete store), and copy
-   ``config.json`` / ``generation_config.json`` next to it.
+4. write the groups into ``weights.bin.partial``, fsync, rename to ``weights.bin``;
+5. copy the checkpoint's ``config.json`` / ``generation_config.json`` (the bytes read in 1,
+   whose hashes the manifest records), and write ``manifest.json`` last (its presence marks a
+   complete store).
+
+A failure after 2 (a drive another writer filled after the reservation: a
+:class:`StoreSpaceError`) removes every store file written, so nothing half-done is left.
+Files are created 0644 and directories 0755 less the umask, never writable by group or others
+(:mod:`~gds_offload.weights.trust`).
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,17 +46,20 @@ from gds_offload.units import format_bytes
 from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
 from gds_offload.weights.manifest import MANIFEST_NAME, FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.outdir import DATA_NAME, prepare_dirs, remove_store, write_small_file
+from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+from gds_offload.weights.trust import create_file
 
 __all__ = ["convert", "verify_store", "StoreCheck", "free_bytes", "DATA_NAME"]
 
 #: ``progress(group, done_bytes, total_bytes)``: how far a conversion or a check has come.
 Progress = Callable[[str, int, int], None]
 
-DATA_NAME = "weights.bin"
 #: Room kept free beyond the data files (manifest, configs).
 _SLACK_BYTES = 1 << 20
-_COPIED = ("config.json", "generation_config.json")
+#: errno values that mean "the drive (or the quota, or the file-size limit) is full".
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def free_bytes(path: Path) -> int:
@@ -86,7 +97,8 @@ def convert(
             default: the checkpoint's ``config.json`` (none: the store records no config hash).
         layer_prefix: the module path of the repeated blocks (default: found from the names).
         tensor_align: alignment of tensors inside a group (divides 4096).
-        overwrite: replace a store already in ``out``.
+        overwrite: replace a store already in ``out`` (never other files: a directory holding
+            anything but a store is refused).
         progress: ``progress(group, done_bytes, total_bytes)``, on the calling thread once each
             group is packed and its write issued (``gds-offload convert`` draws a bar with it).
 
@@ -94,8 +106,11 @@ def convert(
         The manifest written to ``<out>/manifest.json``.
 
     Raises:
-        ConfigError: no checkpoint, a bad argument, or ``out`` holds a store and not ``overwrite``.
+        ConfigError: no checkpoint or a damaged one (names the file), a bad argument, ``out`` is the
+            checkpoint, a file, holds other files, is another user's or writable by others, or
+            holds a store and not ``overwrite``.
         StoreSpaceError: a filesystem lacks room (names bytes needed and free); nothing was written.
+            Or it filled up during the writes (another writer); nothing of the store is left.
     """
     ckpt = find_checkpoint(checkpoint_dir)
     dirs = resolve_dirs(out)
@@ -103,45 +118,82 @@ def convert(
         raise ConfigError(f"out lists a directory twice ({', '.join(map(str, dirs))}); give each drive's directory once")
     prefix, where = group_tensors([t.name for t in ckpt.tensors], layer_prefix)
     groups, entries, sizes = plan_layout(ckpt.tensors, where, prefix, n_files=len(dirs), tensor_align=tensor_align)
-    cfg = config if config is not None else ckpt.config_path
+    try:
+        fingerprint = config_fingerprint(config if config is not None else ckpt.config)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"config={config!r} cannot be read as a model config ({exc}); pass a PretrainedConfig, a dict or a config.json path") from None
+    copies = [(n, b) for n, b in ((CONFIG_NAME, ckpt.config_bytes), (GENERATION_CONFIG_NAME, ckpt.generation_config_bytes)) if b is not None]
     manifest = Manifest(
         groups=groups,
         tensors=entries,
         files=[FileEntry(DATA_NAME, i, n) for i, n in enumerate(sizes)],
-        config_sha256=config_fingerprint(cfg),
-        config_file_sha256=hashlib.sha256(ckpt.config_path.read_bytes()).hexdigest() if ckpt.config_path else None,
+        config_sha256=fingerprint,
+        config_file_sha256=_sha256(ckpt.config_bytes),
+        generation_config_sha256=_sha256(ckpt.generation_config_bytes),
         layer_prefix=prefix,
         tensor_align=tensor_align,
         dirs=[str(d.resolve()) for d in dirs],
         source={"checkpoint": str(Path(checkpoint_dir).resolve()), "files": [f.name for f in ckpt.files]},
     )
     manifest.validate(where="the planned layout")
-    _prepare(dirs, overwrite=overwrite)
-    _check_space(dirs, sizes)
-    fds = _reserve(dirs, sizes)
-    ok = False
+    dfds = prepare_dirs(dirs, checkpoint=ckpt.dir, overwrite=overwrite)
     try:
-        manifest.groups = _write_groups(ckpt, manifest, fds, progress)
-        for fd, _ in fds:
-            os.fsync(fd)
-        ok = True
+        _check_space(dirs, sizes)
+        fds = _reserve(dirs, dfds, sizes)
+        try:
+            manifest.groups, manifest.tensors = _write_groups(ckpt, manifest, fds, progress)
+            for fd, _ in fds:
+                os.fsync(fd)
+            for fd, _ in fds:
+                os.close(fd)
+            fds = []
+            for dfd in dfds:
+                os.rename(DATA_NAME + ".partial", DATA_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+            for name, data in copies:
+                write_small_file(dfds[0], dirs[0], name, data)
+            write_small_file(dfds[0], dirs[0], MANIFEST_NAME, manifest.to_json().encode())
+            for dfd in dfds:
+                os.fsync(dfd)
+        except BaseException as exc:
+            for fd, _ in fds:
+                os.close(fd)
+            remove_store(dfds)
+            full = _full_drive(exc, dirs)
+            if full is not None:
+                raise full from exc
+            raise
     finally:
-        for d, (fd, _) in zip(dirs, fds):
-            os.close(fd)
-            partial = d / (DATA_NAME + ".partial")
-            if ok:
-                os.replace(partial, d / DATA_NAME)
-            else:
-                partial.unlink(missing_ok=True)
-    for name in _COPIED:
-        if (ckpt.dir / name).is_file():
-            shutil.copyfile(ckpt.dir / name, dirs[0] / name)
-    tmp = dirs[0] / (MANIFEST_NAME + ".partial")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, dirs[0] / MANIFEST_NAME)
-    for d in dirs:
-        _fsync_dir(d)
+        for dfd in dfds:
+            os.close(dfd)
     return manifest
+
+
+def _sha256(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def _full_drive(exc: BaseException, dirs: list[Path]) -> StoreSpaceError | None:
+    """The :class:`StoreSpaceError` for a write that found the drive full after the reservation
+    (an ``OSError``, or the engine's error caused by one); ``None`` for any other failure."""
+    seen: BaseException | None = exc
+    while seen is not None and not (isinstance(seen, OSError) and seen.errno in _FULL):
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(seen, OSError):
+        return None
+    what = seen.filename or str(exc)
+    free = ", ".join(f"{d}: {_free_or_unknown(d)}" for d in dirs)
+    return StoreSpaceError(
+        f"{what}: the drive filled up while the weight store was written ({seen.strerror or os.strerror(seen.errno or 0)}), after its room "
+        f"had been reserved: another writer took it? Free now: {free}. Nothing of the store was left; free space or "
+        f"pass another drive, then convert again"
+    )
+
+
+def _free_or_unknown(d: Path) -> str:
+    try:
+        return format_bytes(free_bytes(d))
+    except OSError:
+        return "unknown"
 
 
 def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]], *, progress: Progress | None = None) -> StoreCheck:
@@ -194,22 +246,6 @@ def _wait_checked(group: GroupEntry, future: IOFuture) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _prepare(dirs: list[Path], *, overwrite: bool) -> None:
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise ConfigError(f"out={d} is not writable by this process; fix its permissions or pass another directory")
-    if (dirs[0] / MANIFEST_NAME).exists():
-        if not overwrite:
-            raise ConfigError(f"{dirs[0]} holds a weight store already; pass overwrite=True (--force) to replace it, or another directory")
-        (dirs[0] / MANIFEST_NAME).unlink()  # from here on the old store no longer looks complete
-    for d in dirs:
-        if overwrite:
-            (d / DATA_NAME).unlink(missing_ok=True)
-        elif (d / DATA_NAME).exists():
-            raise ConfigError(f"{d} holds {DATA_NAME} without a manifest (an unfinished conversion?); pass overwrite=True (--force) or remove it")
-
-
 def _check_space(dirs: list[Path], sizes: list[int]) -> None:
     """Raise :class:`StoreSpaceError` unless each filesystem has room for its files (directories on one
     filesystem are summed)."""
@@ -228,23 +264,18 @@ def _check_space(dirs: list[Path], sizes: list[int]) -> None:
             )
 
 
-def _reserve(dirs: list[Path], sizes: list[int]) -> list[tuple[int, bool]]:
+def _reserve(dirs: list[Path], dfds: list[int], sizes: list[int]) -> list[tuple[int, bool]]:
     """Create ``weights.bin.partial`` in each directory, reserved whole: ``[(fd, O_DIRECT)]``."""
     fds: list[tuple[int, bool]] = []
     try:
-        for d, n in zip(dirs, sizes):
-            path = d / (DATA_NAME + ".partial")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        for d, dfd, n in zip(dirs, dfds, sizes):
+            fds.append(create_file(dfd, DATA_NAME + ".partial", direct=True))
+            if not n:
+                continue  # a directory that holds no group: an empty file
             try:
-                fds.append((os.open(path, flags | os.O_DIRECT, 0o644), True))
+                os.posix_fallocate(fds[-1][0], 0, n)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                fds.append((os.open(path, flags, 0o644), False))
-            try:
-                os.posix_fallocate(fds[-1][0], 0, max(n, 1))
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                if exc.errno in _FULL:
                     raise StoreSpaceError(
                         f"{d}: reserving {n} bytes ({format_bytes(n)}) for {DATA_NAME} failed ({os.strerror(exc.errno)}; "
                         f"{free_bytes(d)} bytes free); free space or pass another drive. Nothing was written"
@@ -253,15 +284,21 @@ def _reserve(dirs: list[Path], sizes: list[int]) -> list[tuple[int, bool]]:
                     raise
                 os.ftruncate(fds[-1][0], n)  # no fallocate on this filesystem: ENOSPC would show while writing
     except BaseException:
-        for (fd, _), d in zip(fds, dirs):
+        for fd, _ in fds:
             os.close(fd)
-            (d / (DATA_NAME + ".partial")).unlink(missing_ok=True)
+        for dfd in dfds:
+            try:
+                os.unlink(DATA_NAME + ".partial", dir_fd=dfd)
+            except FileNotFoundError:
+                pass
         raise
     return fds
 
 
-def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]], progress: Progress | None) -> list[GroupEntry]:
-    """Pack, hash and write every group; returns the groups with their checksums."""
+def _write_groups(
+    ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]], progress: Progress | None
+) -> tuple[list[GroupEntry], list[TensorEntry]]:
+    """Pack, hash and write every group; returns the groups and the tensors with their checksums."""
     total, issued = manifest.total_nbytes(), 0
     files = [SpillFile(id=i, dir=Path(manifest.dirs[manifest.files[i].dir]), fd=fd, direct=direct) for i, (fd, direct) in enumerate(fds)]
     largest = max((g.padded_nbytes for g in manifest.groups), default=0)
@@ -272,6 +309,7 @@ def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, boo
         members.setdefault(t.group, []).append(t)
     engine = PosixEngine(num_threads=4, read_pool_bytes=0)
     done: list[GroupEntry] = []
+    hashes: dict[str, int] = {}
     try:
         with open_tensors(ckpt) as handles:
             source = {t.name: handles[t.file] for t in ckpt.tensors}
@@ -282,7 +320,7 @@ def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, boo
                     previous.wait()  # the buffer's previous group is on the drive
                 buf[: g.padded_nbytes].zero_()
                 for t in members.get(g.name, []):
-                    _pack(source[t.name], t, buf, g.offset)
+                    hashes[t.name] = _pack(source[t.name], t, buf, g.offset)
                 data = buf[: g.nbytes]
                 done.append(GroupEntry(g.name, g.layer, g.file, g.offset, g.nbytes, checksum(data)))
                 if g.nbytes:
@@ -295,21 +333,15 @@ def _write_groups(ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, boo
                 f.wait()
     finally:
         engine.close()
-    return done
+    return done, [dataclasses.replace(t, xxh3_64=hashes[t.name]) for t in manifest.tensors]
 
 
-def _pack(handle: object, entry: TensorEntry, buf: torch.Tensor, group_offset: int) -> None:
+def _pack(handle: object, entry: TensorEntry, buf: torch.Tensor, group_offset: int) -> int:
+    """Copy the tensor into its place in ``buf`` (holding its group from file offset ``group_offset``); its xxh3-64."""
     tensor = handle.get_tensor(entry.name)  # type: ignore[attr-defined]
     if tensor.dtype != getattr(torch, entry.dtype) or tuple(tensor.shape) != entry.shape:
         raise ConfigError(f"tensor {entry.name}: header says {entry.dtype} {entry.shape}, data is {tensor.dtype} {tuple(tensor.shape)}")
+    lo = entry.offset - group_offset
     if entry.nbytes:
-        lo = entry.offset - group_offset
         buf[lo : lo + entry.nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return checksum(buf[lo : lo + entry.nbytes])

@@ -3,15 +3,21 @@ from __future__ import annotations
 
 from gds_offload.errors import ConfigError, OffloadError, SpillSpaceError
 
-__all__ = ["StoreFormatError", "StoreSpaceError", "StoreCorruptError", "WeightsMismatchError", "ConfigMismatchError"]
+__all__ = ["StoreFormatError", "StoreTrustError", "StoreSpaceError", "StoreCorruptError", "WeightsMismatchError", "ConfigMismatchError"]
 
 
 class StoreFormatError(ConfigError):
     """A store directory holds no manifest, an unreadable one, or one of another format version."""
 
 
+class StoreTrustError(StoreFormatError):
+    """A store directory or file this process must not trust: another user's (not root's), writable
+    by group or others, a symlink, or not a regular file. Its message names the path and the fix."""
+
+
 class StoreSpaceError(SpillSpaceError):
-    """The output drive cannot hold the store: raised before any byte of it is written."""
+    """The output drive cannot hold the store: found before any byte of it is written, or (a drive
+    another writer filled meanwhile) while writing, after which nothing of the store is left."""
 
 
 class StoreCorruptError(OffloadError):

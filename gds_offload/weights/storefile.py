@@ -7,7 +7,6 @@ is 0 is read in place, in chunks spread over the engine's threads).
 """
 from __future__ import annotations
 
-import errno
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,6 +22,7 @@ from gds_offload.io.pages import map_anonymous
 from gds_offload.store import Slot, SpillFile
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
 from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry, Manifest
+from gds_offload.weights.trust import check_name, open_dir, open_file
 
 __all__ = ["StoreFiles", "aligned_host_buffer", "corrupt_error", "read_group", "resolve_dirs"]
 
@@ -61,23 +61,50 @@ class _DataFile(SpillFile):
 class StoreFiles:
     """The store's data files, opened read-only (``O_DIRECT`` where the filesystem allows).
 
+    Each directory and file is opened as :mod:`~gds_offload.weights.trust` opens a store's:
+    yours or root's, writable by nobody else, a regular file (no symlink followed, no FIFO
+    waited on), its name a plain name inside its directory. Each file must be exactly the size
+    the manifest says (so no group the manifest places can be larger than the drive's bytes),
+    and no two entries may be one file.
+
     Raises:
-        StoreFormatError: a data file is missing or shorter than the manifest says.
+        StoreFormatError: a data file is missing, of another size, or listed twice.
+        StoreTrustError: a directory or file another user could have changed, a symlink, or not a regular file.
     """
 
     def __init__(self, dirs: list[Path], manifest: Manifest, *, direct: bool = True) -> None:
         self.files: list[SpillFile] = []
+        dir_fds: dict[int, int] = {}
+        seen: dict[tuple[int, int], Path] = {}
         try:
             for i, entry in enumerate(manifest.files):
-                path = dirs[entry.dir] / entry.path
-                fd, is_direct, note = _open_read(path, direct=direct)
+                d = dirs[entry.dir]
+                if entry.dir not in dir_fds:
+                    dir_fds[entry.dir] = open_dir(d)
+                path = d / check_name(entry.path, where=str(dirs[0] / "manifest.json"))
+                opened = open_file(dir_fds[entry.dir], d, entry.path, direct=direct)
+                if opened is None:
+                    raise StoreFormatError(f"{path} is missing: the store is incomplete; convert the checkpoint again")
+                fd, is_direct = opened
+                note = "" if is_direct else (f"{d} refused O_DIRECT: buffered reads" if direct else "O_DIRECT not requested")
                 self.files.append(_DataFile(id=i, dir=path, fd=fd, direct=is_direct, note=note, size=entry.nbytes))
-                size = os.fstat(fd).st_size
-                if size < entry.nbytes:
-                    raise StoreFormatError(f"{path} has {size} bytes, the manifest says {entry.nbytes}: truncated; convert the checkpoint again")
+                st = os.fstat(fd)
+                # Format 1 reserved one byte for a file that holds no group.
+                if st.st_size != entry.nbytes and not (entry.nbytes == 0 and st.st_size == 1):
+                    what = "truncated" if st.st_size < entry.nbytes else "it is not the file the manifest describes"
+                    raise StoreFormatError(f"{path} has {st.st_size} bytes, the manifest says {entry.nbytes}: {what}; convert the checkpoint again")
+                if (st.st_dev, st.st_ino) in seen:
+                    raise StoreFormatError(
+                        f"{path} and {seen[st.st_dev, st.st_ino]} are one file: a directory was given twice? Pass the store's "
+                        f"directories in the order used at conversion: {', '.join(manifest.dirs) or '(not recorded)'}"
+                    )
+                seen[st.st_dev, st.st_ino] = path
         except BaseException:
             self.close()
             raise
+        finally:
+            for dfd in dir_fds.values():
+                os.close(dfd)
 
     @property
     def direct(self) -> bool:
@@ -92,21 +119,6 @@ class StoreFiles:
             if f.fd >= 0:
                 os.close(f.fd)
                 f.fd = -1
-
-
-def _open_read(path: Path, *, direct: bool) -> tuple[int, bool, str]:
-    flags = os.O_RDONLY | os.O_CLOEXEC
-    try:
-        if direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT), True, ""
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                return os.open(path, flags), False, f"{path.parent} refused O_DIRECT: buffered reads"
-        return os.open(path, flags), False, "O_DIRECT not requested"
-    except FileNotFoundError:
-        raise StoreFormatError(f"{path} is missing: the store is incomplete; convert the checkpoint again") from None
 
 
 def read_group(
