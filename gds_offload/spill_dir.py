@@ -3,7 +3,8 @@
 One truth for ``attach()``, ``gds-check`` and the commands: :func:`spill_dir_origin` names
 the default, :func:`check_dir` judges a directory without changing anything, and
 :func:`prepare_dir` creates a missing one (0700, parents included) and judges it again.
-The spill files inside it are :mod:`gds_offload.store`'s.
+The spill files inside it are :mod:`gds_offload.store`'s. The weight benchmarks' working
+directory (``--workdir``, and its private default) is judged by the same rules.
 """
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ __all__ = [
     "spill_dir_origin",
 ]
 
-#: How a spill directory was chosen. It names the directory in messages, and decides the
-#: ownership rule: the default directory must belong to the user (its name claims it does).
-Origin = Literal["path", "--path", "GDS_OFFLOAD_DIR", "default"]
+#: How a spill directory (or a benchmark's working directory: ``--workdir``) was chosen. It
+#: names the directory in messages, and decides the ownership rule: a default directory must
+#: belong to the user (its name claims it does).
+Origin = Literal["path", "--path", "GDS_OFFLOAD_DIR", "default", "--workdir", "default --workdir"]
+#: The origins whose directory must be the user's own.
+_DEFAULTS = ("default", "default --workdir")
 
 #: Filesystems that hold no files a spill could use (refused, with the fix).
 PSEUDO_FSTYPES = frozenset({
@@ -91,6 +95,8 @@ def _label(path: Path, origin: Origin) -> str:
         "--path": f"--path {path}",
         "GDS_OFFLOAD_DIR": f"GDS_OFFLOAD_DIR={path}",
         "default": f"the default spill directory {path}",
+        "--workdir": f"--workdir {path}",
+        "default --workdir": f"the default working directory {path}",
     }[origin]
 
 
@@ -101,6 +107,8 @@ def _elsewhere(origin: Origin) -> str:
         "--path": "pass another directory with --path",
         "GDS_OFFLOAD_DIR": "set GDS_OFFLOAD_DIR to another directory, or pass path= (--path for the commands)",
         "default": "choose another directory: set GDS_OFFLOAD_DIR, or pass path= (--path for the commands)",
+        "--workdir": "pass another directory with --workdir",
+        "default --workdir": "choose another directory: pass --workdir",
     }[origin]
 
 
@@ -197,10 +205,11 @@ def _refusal(path: Path, origin: Origin) -> tuple[str, str] | None:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory", f"pass a directory on an NVMe drive ({_short(other)})"
     mode = stat.S_IMODE(st.st_mode)
-    if origin == "default" and (st.st_uid != uid or lst.st_uid != uid):
+    if origin in _DEFAULTS and (st.st_uid != uid or lst.st_uid != uid):
         owner = st.st_uid if st.st_uid != uid else lst.st_uid
+        what = "is spilled" if origin == "default" else "is read and written"
         why = (f"belongs to uid {owner}, not to you (uid {uid}; mode {mode:o}): another user made it, and could "
-               f"read or replace what is spilled there. Do not use it")
+               f"read or replace what {what} there. Do not use it")
         return why, other
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         why = f"is world-writable (mode {mode:o}) without the sticky bit; other users could tamper with it"

@@ -260,11 +260,19 @@ def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch
     spec = RunSpec("offload:posix", path=str(tmp_path), **TINY)
     assert exact_in_process(spec)
     # An offloader that changes saved bytes must be caught: corrupt every read (fault injection).
+    # Each write lands before write() returns, so backward reads every tensor back (a write still
+    # in flight would serve its tensor from memory, and a slow drive would hide the corruption).
     import gds_offload.hooks as hooks_mod
     from gds_offload.io.faults import Fault, FaultyEngine
 
+    class Settled(FaultyEngine):
+        def _submit_write(self, src, slot, ready):  # noqa: ANN001, ANN202
+            future = super()._submit_write(src, slot, ready)
+            future.exception()
+            return future
+
     real = hooks_mod.make_engine
-    monkeypatch.setattr(hooks_mod, "make_engine", lambda *a, **kw: FaultyEngine(real(*a, **kw), [Fault("read", "corrupt", 1, 0)]))
+    monkeypatch.setattr(hooks_mod, "make_engine", lambda *a, **kw: Settled(real(*a, **kw), [Fault("read", "corrupt", 1, 0)]))
     assert not exact_in_process(spec)
     with pytest.raises(ValueError, match="offload mode"):
         exact_in_process(RunSpec("keep", **TINY))

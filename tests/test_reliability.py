@@ -38,6 +38,35 @@ def _child_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
 
 
+#: Every write done only once waited for (the slowest drive): a test that forces its timing passes with it.
+LATE_WRITES = Fault("write", "late", nth=1, count=0)
+#: The timings the tests that need a write settled run under: as it comes, and with every write late.
+WRITES = ["natural", "late"]
+
+
+def _late(writes: str) -> list[Fault]:
+    return [LATE_WRITES] if writes == "late" else []
+
+
+def _forward_settled(model, inputs, off) -> torch.Tensor:
+    """Forward, then let every write land, so that backward reads the tensors back from the drive
+    (a write still in flight when backward needs its tensor is served from memory, and no read
+    or check of that transfer happens); the loss, backward not run."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    out = model(*inputs)
+    off.synchronize()
+    assert off.spilled(), "some tensor is only on disk"
+    return out if out.dim() == 0 else out.float().pow(2).mean()
+
+
+def _step_settled(model, inputs, off):
+    """:func:`models.train_step` with every write settled before backward (:func:`_forward_settled`)."""
+    loss = _forward_settled(model, inputs, off)
+    loss.backward()
+    return grads_of(model, loss)
+
+
 # ---------------------------------------------------------------------------- drive full
 @needs_root
 @pytest.mark.root
@@ -98,15 +127,16 @@ def test_nearly_full_drive_still_used(tmp_path) -> None:
         assert st.bytes_fallback == 0 and st.bytes_offloaded > 0
 
 
-def test_enospc_on_write_falls_back(engine: str, tmp_path) -> None:
+@pytest.mark.parametrize("writes", WRITES)
+def test_enospc_on_write_falls_back(writes: str, engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine) as off:
-        faulty = inject(off, Fault("write", "enospc", nth=2, count=3))
-        with warnings.catch_warnings(record=True) as rec:
+        faulty = inject(off, Fault("write", "enospc", nth=2, count=3), *_late(writes))
+        with warnings.catch_warnings(record=True) as rec:  # a failed write warns when it completes: before backward
             warnings.simplefilter("always")
-            assert_same(ref, train_step(model, inputs))
-            assert_same(ref, train_step(model, inputs))
+            assert_same(ref, _step_settled(model, inputs, off))
+            assert_same(ref, _step_settled(model, inputs, off))
         st = settled(off)
         msgs = _offload_warnings(rec)
         assert len(faulty.injected) == 3
@@ -159,13 +189,15 @@ def test_read_failure_while_detaching(engine: str, tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------- I/O errors
+@pytest.mark.parametrize("writes", WRITES)
 @pytest.mark.parametrize("delay_s", [0.0, 0.3], ids=["failed-before-unpack", "failed-while-waited-for"])
-def test_failed_read_names_layer_tensor_file_offset_and_os_error(delay_s: float, engine: str, tmp_path) -> None:
+def test_failed_read_names_layer_tensor_file_offset_and_os_error(delay_s: float, writes: str, engine: str, tmp_path) -> None:
     model, inputs = make("mlp")
     with offload_everything(model, tmp_path, engine) as off:
-        inject(off, Fault("read", "eio", nth=1, delay_s=delay_s))
+        inject(off, Fault("read", "eio", nth=1, delay_s=delay_s), *_late(writes))
+        loss = _forward_settled(model, inputs, off)
         with pytest.raises(OffloadError) as ei:
-            train_step(model, inputs)
+            loss.backward()
         msg = str(ei.value)
         for part in ("layer blocks.", "shape (64, 128)", "torch.float32", str(tmp_path), "offset", "Input/output error"):
             assert part in msg, (part, msg)
@@ -175,23 +207,25 @@ def test_failed_read_names_layer_tensor_file_offset_and_os_error(delay_s: float,
         assert_same(ref, train_step(model, inputs))  # the next step works
 
 
+@pytest.mark.parametrize("writes", WRITES)
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_short_transfer_through_wrapper_never_returns_garbage(op: str, engine: str, tmp_path) -> None:
+def test_short_transfer_through_wrapper_never_returns_garbage(op: str, writes: str, engine: str, tmp_path) -> None:
     """A transfer that reports fewer bytes than asked: a short write falls back (data kept in memory),
     a short read raises instead of returning half-filled memory."""
     model, inputs = make("mlp")
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine) as off:
-        inject(off, Fault(op, "short", nth=1))
+        inject(off, Fault(op, "short", nth=1), *_late(writes))
         if op == "write":
-            with warnings.catch_warnings(record=True) as rec:
+            with warnings.catch_warnings(record=True) as rec:  # the short write warns when it completes: before backward
                 warnings.simplefilter("always")
-                assert_same(ref, train_step(model, inputs))
+                assert_same(ref, _step_settled(model, inputs, off))
             assert "short write" in " ".join(_offload_warnings(rec))
             assert settled(off).bytes_fallback > 0
         else:
+            loss = _forward_settled(model, inputs, off)
             with pytest.raises(OffloadError, match="short read"):
-                train_step(model, inputs)
+                loss.backward()
 
 
 def test_short_pwrite_and_preadv_retried_to_completion(tmp_path, monkeypatch) -> None:
@@ -240,16 +274,12 @@ def test_spill_directory_removed_under_the_run(engine: str, tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- integrity
 def _forward_then_tamper(model, inputs, off, tamper) -> torch.Tensor:
-    """Forward, let every write land, change the spill file, return the loss (backward not run)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    out = model(*inputs)
-    off.synchronize()
-    live = off.spilled()
-    assert live, "some tensor is only on disk"
-    slot, _ = max(live, key=lambda s: s[1])
+    """:func:`_forward_settled`, then change the spill file under the largest tensor on disk."""
+    loss = _forward_settled(model, inputs, off)
+    slot, _ = max(off.spilled(), key=lambda s: s[1])
     tamper(off.engine.data_offset(slot), slot)
-    return out if out.dim() == 0 else out.float().pow(2).mean()
+    return loss
+
 
 
 def _scribble(data_offset: int, slot) -> None:
@@ -292,21 +322,42 @@ def test_truncated_spill_file_raises(engine: str, tmp_path) -> None:
             loss.backward()
 
 
+@pytest.mark.parametrize("writes", WRITES)
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_verify_detects_corrupt_transfers(op: str, engine: str, tmp_path) -> None:
+def test_verify_detects_corrupt_transfers(op: str, writes: str, engine: str, tmp_path) -> None:
+    """A transfer that moves wrong bytes and reports success is caught when backward reads the
+    tensor back. Every write settles before backward, so backward reads from the drive whatever
+    the drive's speed (``late``: no write done until waited for)."""
     model, inputs = make("mlp")
     with offload_everything(model, tmp_path, engine, verify=True) as off:
-        inject(off, Fault(op, "corrupt", nth=1))
+        inject(off, Fault(op, "corrupt", nth=1), *_late(writes))
+        loss = _forward_settled(model, inputs, off)
         with pytest.raises(OffloadError, match="corrupt spill slot .* checksum [0-9a-f]{16}, expected [0-9a-f]{16}"):
-            train_step(model, inputs)
+            loss.backward()
 
 
-def test_verify_exact_when_nothing_is_wrong(engine: str, tmp_path) -> None:
+def test_backward_is_served_from_memory_while_writes_are_in_flight(engine: str, tmp_path) -> None:
+    """Why the tests above settle the writes first: with every write still in flight at backward
+    (``late``), backward uses the tensors still in memory, exactly, and reads nothing back, so a
+    corrupted write or read is never seen."""
+    model, inputs = make("mlp")
+    ref = train_step(model, inputs)
+    with offload_everything(model, tmp_path, engine, verify=True) as off:
+        faulty = inject(off, LATE_WRITES, Fault("write", "corrupt", nth=1), Fault("read", "corrupt", nth=1, count=0))
+        assert_same(ref, train_step(model, inputs))
+        assert faulty.counts()["read"] == 0 and faulty.counts()["write"] > 0
+        assert settled(off).bytes_offloaded > 0  # the writes were real, and land once waited for
+
+
+@pytest.mark.parametrize("writes", WRITES)
+def test_verify_exact_when_nothing_is_wrong(writes: str, engine: str, tmp_path) -> None:
     model, inputs = make("conv")
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine, verify=True) as off:
-        assert_same(ref, train_step(model, inputs))
-        assert settled(off).bytes_read > 0
+        if writes == "late":
+            inject(off, LATE_WRITES)
+        assert_same(ref, _step_settled(model, inputs, off))
+        assert settled(off).bytes_read > 0  # checked on the way back from the drive
 
 
 # ---------------------------------------------------------------------------- crashes and interrupts

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,23 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=positive_int, default=2, help="ring buffers of the drive mode (default 2)")
     p.add_argument("--checkpointing", action="store_true", help="Hugging Face gradient checkpointing in every mode (layers recomputed in backward)")
     p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved; medians are shown")
-    p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default: bench-weights' workdir)")
+    p.add_argument("--workdir", default=None, help="where the checkpoint and store go (default: bench-weights' private workdir)")
     p.add_argument("--memory-limit", default=None, help="cap the drive and accelerate-disk children (page cache included); needs root and cgroup v1")
     p.add_argument("--out", "--json", dest="out", metavar="OUT", default=None, help="write the result file (JSON) to OUT ('-': print it)")
     p.add_argument("--title", default=None, help="the result's title on the performance page")
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.commands.bench_weights import emit, modes_arg
+    from gds_offload.commands.bench_weights import emit, memory_limit_arg, modes_arg, workdir_arg
     from gds_offload.errors import ConfigError
-    from gds_offload.units import parse_bytes
     from gds_offload.weights.bench import DEFAULT_MODEL, TINY
     from gds_offload.weights.finetune_bench import MODES, FinetuneSpec, run_finetune_bench
 
-    try:
+    try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)
-        limit = parse_bytes(args.memory_limit, name="--memory-limit") if args.memory_limit else None
-    except (ConfigError, ValueError) as exc:
+        limit = memory_limit_arg(args.memory_limit)
+        workdir = workdir_arg(args.workdir, tiny=args.tiny)  # last: it creates the directory
+    except ConfigError as exc:
         print(f"gds-offload bench-finetune: {exc}")
         return 2
     from rich.console import Console
@@ -59,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.report import current_commit
 
     model = TINY if args.tiny else DEFAULT_MODEL
-    workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
     spec = FinetuneSpec("", "", "", str(workdir), batch_sizes=args.batch_sizes or (1, 4, 8), seq_len=args.seq_len, steps=args.steps,
                         rank=args.rank, slots=args.slots, checkpointing=args.checkpointing)  # fmt: skip
     console = Console(stderr=True)

@@ -20,7 +20,7 @@ HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gds_offload.commands.run_args import positive_int
 
-    p.add_argument("--path", type=Path, default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
+    p.add_argument("--path", default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
     p.add_argument("--size", default="2GiB", help="bytes written then read per measurement (default: 2GiB)")
     p.add_argument("--tensor-sizes", default="1MiB,64MiB", help="comma-separated tensor sizes (default: 1MiB,64MiB)")
     p.add_argument("--engines", default="posix,compat,host", help="comma-separated engines: posix, compat, gds, host (default: posix,compat,host)")
@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             if validate_mode(e) == "auto":
                 raise ConfigError("--engines: bench-io measures named engines; pass posix, compat, gds or host, not auto")
-        path, origin = (args.path, "--path") if args.path else spill_dir_origin()
+        if args.path is not None and not args.path.strip():
+            raise ConfigError(f"--path {args.path!r} is empty; pass a directory, or leave the flag out for $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>")
+        path, origin = (Path(args.path), "--path") if args.path is not None else spill_dir_origin()
         path = prepare_dir(path, create=True, origin=origin)  # type: ignore[arg-type]
         check_room(path, total, sizes, engines, raw=not args.no_raw)
         report = run_bench(

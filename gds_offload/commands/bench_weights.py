@@ -8,7 +8,8 @@ each mode in its own process (:mod:`gds_offload.weights.bench`). Examples::
 
 ``--out`` writes the result file ``gds-offload report`` renders (and a PNG next to it, or at
 ``--plot``). Exit status: 0 every mode ran and matched the resident outputs, 1 one did not,
-2 a usage error.
+2 a usage error: every flag is checked before the first child starts (:func:`workdir_arg`,
+:func:`memory_limit_arg` are shared with ``bench-finetune``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,46 @@ def modes_arg(text: str, allowed: tuple[str, ...]) -> list[str]:
     return modes
 
 
+def default_workdir(tiny: bool) -> Path:
+    """``<tmp>/gds_offload-bench-weights[-tiny]-<uid>``: the user's own, private (0700) working directory."""
+    return Path(tempfile.gettempdir()) / f"gds_offload-bench-weights{'-tiny' if tiny else ''}-{os.getuid()}"
+
+
+def workdir_arg(given: str | None, *, tiny: bool) -> Path:
+    """The working directory of ``--workdir``, or :func:`default_workdir`: judged as ``attach()``
+    judges a spill directory (:func:`~gds_offload.spill_dir.prepare_dir`; the default must be
+    the user's own), created 0700 when missing.
+
+    Raises:
+        ConfigError: an empty ``--workdir``, or a directory ``attach()`` would refuse.
+    """
+    from gds_offload.errors import ConfigError
+    from gds_offload.spill_dir import prepare_dir
+
+    if given is None:
+        return prepare_dir(default_workdir(tiny), create=True, origin="default --workdir")
+    if not given.strip():
+        raise ConfigError(f"--workdir {given!r} is empty; pass a directory, or leave the flag out for {default_workdir(tiny)}")
+    return prepare_dir(Path(given), create=True, origin="--workdir")
+
+
+def memory_limit_arg(text: str | None) -> int | None:
+    """``--memory-limit``: ``None`` when left out, else a cap this machine can apply
+    (:func:`~gds_offload.weights.cgroup.check_limit`).
+
+    Raises:
+        ConfigError: not a size, 0, under 64 MiB, or no memory group can be made here.
+    """
+    from gds_offload.units import parse_bytes
+    from gds_offload.weights.cgroup import check_limit
+
+    if text is None:
+        return None
+    limit = parse_bytes(text, name="--memory-limit")
+    check_limit(limit, name=f"--memory-limit {text}")
+    return limit
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gds_offload.commands.run_args import positive_int
 
@@ -71,36 +112,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="auto", help="engine of the drive mode: auto, gds, compat, posix (default auto)")
     p.add_argument("--raw-depths", default="1,4,8", help="requests in flight of the raw O_DIRECT read passes (default 1,4,8)")
     p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
-    p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint and store go (default <tmp>/gds_offload-bench-weights)")
+    p.add_argument("--workdir", default=None, help="where the checkpoint and store go (default: a private <tmp>/gds_offload-bench-weights-<uid>)")
     p.add_argument("--memory-limit", default=None, help="cap the drive and accelerate-disk children (page cache included), e.g. 1.2GiB; needs root and cgroup v1")
     p.add_argument("--out", "--json", dest="out", metavar="OUT", default=None, help="write the result file (JSON) to OUT ('-': print it instead of the table)")
     p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size (default: OUT with .png; '' for none)")
     p.add_argument("--title", default=None, help="the result's title on the performance page")
 
 
-def run(args: argparse.Namespace) -> int:
+#: ``--dtype`` values: the weights' dtype in every mode.
+DTYPES = ("float32", "bfloat16")
+
+
+def _depths(text: str) -> tuple[int, ...]:
     from gds_offload.errors import ConfigError
-    from gds_offload.units import parse_bytes
-    from gds_offload.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
 
     try:
+        depths = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        raise ConfigError(f"--raw-depths {text!r} is not a comma-separated list of integers, e.g. 1,4,8") from None
+    if not depths or min(depths) < 1:
+        raise ConfigError(f"--raw-depths {text!r}: requests in flight must be positive integers (0 is not 'the default': leave the flag out)")
+    return depths
+
+
+def run(args: argparse.Namespace) -> int:
+    from gds_offload.commands.run_args import resolve_device
+    from gds_offload.errors import ConfigError
+    from gds_offload.io import validate_mode
+    from gds_offload.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
+
+    try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise ConfigError(f"--device {args.device!r}: expected cpu or cuda")
+        device = resolve_device(args.device)  # a CUDA device this machine has
+        if args.dtype is not None and args.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {args.dtype!r}: expected {' or '.join(DTYPES)}")
+        try:
+            validate_mode(args.engine)
+        except ConfigError as exc:
+            raise ConfigError(f"--engine {args.engine!r}: {exc}") from None
         model = TINY if args.tiny else DEFAULT_MODEL
         over = (("hidden", args.hidden), ("intermediate", args.intermediate), ("layers", args.layers), ("vocab", args.vocab), ("dtype", args.dtype))
         model = replace(model, **{k: v for k, v in over if v is not None})
         defaults = ((1, 2), 16, 4) if args.tiny else ((1, 8, 64), 16, 3)
         batches = args.batch_sizes or defaults[0]
-        depths = tuple(int(d) for d in args.raw_depths.split(","))
-        workdir = args.workdir or Path(tempfile.gettempdir()) / ("gds_offload-bench-weights" + ("-tiny" if args.tiny else ""))
-        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=args.prompt_len or defaults[1],
-                         new_tokens=args.new_tokens or defaults[2], slots=args.slots, num_threads=args.threads,
-                         repeats=args.repeats, engine=args.engine, device=args.device)  # fmt: skip
-        limit = parse_bytes(args.memory_limit, name="--memory-limit") if args.memory_limit else None
-        if args.rounds < 1 or args.repeats < 1 or spec.new_tokens < 2 or min(batches) < 1 or min(depths) < 1:
-            raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats} --batch-sizes {batches} --raw-depths {depths}: at least 1 each; --new-tokens {spec.new_tokens}: at least 2")
-    except (ConfigError, ValueError) as exc:
+        depths = _depths(args.raw_depths)
+        new_tokens = args.new_tokens or defaults[2]
+        if args.rounds < 1 or args.repeats < 1 or new_tokens < 2 or min(batches) < 1:
+            raise ConfigError(f"--rounds {args.rounds} --repeats {args.repeats} --batch-sizes {batches}: at least 1 each; --new-tokens {new_tokens}: at least 2")
+        limit = memory_limit_arg(args.memory_limit)
+        workdir = workdir_arg(args.workdir, tiny=args.tiny)  # last: it creates the directory
+        spec = BenchSpec("", "", "", str(workdir), batch_sizes=batches, prompt_len=args.prompt_len or defaults[1], new_tokens=new_tokens,
+                         slots=args.slots, num_threads=args.threads, repeats=args.repeats, engine=args.engine, device=device)  # fmt: skip
+    except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}")
         return 2
     from rich.console import Console

@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gds-offload rok: --placements: unknown {bad or '(none given)'}; expected some of {', '.join(rok.PLACEMENTS)}", file=sys.stderr)
         return 2
     try:
-        memory = parse_bytes(args.memory, name="--memory") if args.memory else None
+        memory = None if args.memory is None else parse_bytes(args.memory, name="--memory")
+        if memory is not None and memory <= 0:
+            raise ConfigError(f"--memory {args.memory!r} must be positive, e.g. 2GiB (0 is not 'the default': leave the flag out)")
         if args.max_bandwidth:
             parse_bandwidth(args.max_bandwidth, name="--max-bandwidth")
         device = resolve_device(args.device)

@@ -266,7 +266,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
         warmup=args.warmup,
         seed=args.seed,
         device=device,
-        path=str(args.path) if args.path else None,
+        path=None if args.path is None else str(args.path),  # '' is refused with the other attach() arguments
         max_bandwidth=args.max_bandwidth,
         policy=getattr(args, "policy", "all"),
         keep_last=args.keep_last,

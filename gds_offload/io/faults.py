@@ -7,6 +7,14 @@ its cause), a *short* transfer (only the first half of the bytes move and the fu
 reports that count), or *corruption* (the bytes move, but wrong: a write stores
 flipped bytes, a read flips bytes after they arrive, and both report success).
 
+A *late* transfer is a drive slower than any compute, without a timer: the bytes move, but
+the transfer is reported done only once someone waits for its future (``IOFuture.wait`` or
+``error``, as :meth:`~gds_offload.Offloader.synchronize` does); until then it is not done and
+no completion callback runs. It combines with one other fault on the same transfer (a late
+corrupt write). A test that needs a write settled before backward must force it, and a run
+with every write late shows whether it does. The write window waits for writes to finish by
+themselves, which late ones never do: keep late writes to models whose forward fits the window.
+
 Faults are deterministic: a :class:`Fault` hits the ``nth`` transfer of its
 direction (1-based, counted from when the wrapper was installed) and the
 ``count - 1`` after it (``count=0``: every one from ``nth`` on). Failed futures
@@ -27,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,14 +50,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
 
-Kind = Literal["enospc", "eio", "short", "corrupt"]
-_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt")
+Kind = Literal["enospc", "eio", "short", "corrupt", "late"]
+_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt", "late")
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 
 @dataclass(frozen=True)
 class Fault:
-    """Make transfers ``nth`` .. ``nth + count - 1`` of direction ``op`` fail with ``kind``.
+    """Make transfers ``nth`` .. ``nth + count - 1`` of direction ``op`` fail with ``kind``
+    (``late``: complete only when waited for; see the module doc).
 
     ``delay_s``: an ``enospc``/``eio`` failure completes this long after submission (so a
     waiter finds the transfer still in flight, then failed).
@@ -108,7 +117,8 @@ class FaultyEngine(Engine):
         faults: what to inject (see :class:`Fault`); more can be added with :meth:`add`.
 
     Attributes:
-        injected: one record per fault injected (direction, kind, transfer number, slot offset).
+        injected: one record per fault injected (direction, kind, transfer number, slot offset);
+            ``late`` transfers are not recorded.
     """
 
     def __init__(self, inner: Engine, faults: Sequence[Fault] = ()) -> None:
@@ -160,18 +170,29 @@ class FaultyEngine(Engine):
         return self.inner.stats()
 
     # ------------------------------------------------------------------ internals
-    def _pick(self, op: Direction, slot: Slot) -> Fault | None:
+    def _pick(self, op: Direction, slot: Slot) -> tuple[Fault | None, bool]:
+        """The fault that hits this transfer (the first that does, ``late`` aside) and whether it is late."""
         with self._fault_lock:
             self._counts[op] += 1
             n = self._counts[op]
-            for f in self.faults:
-                if f.hits(op, n):
-                    self.injected.append(_Injected(op, f.kind, n, slot.offset))
-                    return f
-        return None
+            hit = [f for f in self.faults if f.hits(op, n)]
+            fault = next((f for f in hit if f.kind != "late"), None)
+            late = any(f.kind == "late" for f in hit)
+            if fault is not None:  # late is the drive's pace, not a fault of the data: not recorded
+                self.injected.append(_Injected(op, fault.kind, n, slot.offset))
+        return fault, late
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        fault = self._pick("write", slot)
+        fault, late = self._pick("write", slot)
+        future = self._write(fault, src, slot, ready)
+        return _Late(future) if late else future
+
+    def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        fault, late = self._pick("read", slot)
+        future = self._read(fault, dst, slot, ready)
+        return _Late(future) if late else future
+
+    def _write(self, fault: Fault | None, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         if fault is None:
             return _chain(self.inner.write(src, slot, ready=ready))
         if fault.kind in _ERRNO:
@@ -182,8 +203,7 @@ class FaultyEngine(Engine):
         bad[:64] ^= 0x5A
         return _chain(self.inner.write(bad, slot, ready=ready), keep=bad, report=src.numel())
 
-    def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
-        fault = self._pick("read", slot)
+    def _read(self, fault: Fault | None, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         if fault is None:
             return _chain(self.inner.read(dst, slot, ready=ready))
         if fault.kind in _ERRNO:
@@ -207,11 +227,63 @@ class FaultyEngine(Engine):
         return self._pool.submit(raise_it)
 
 
+class _Late(Future[int]):
+    """Mirrors ``inner``, but completes only when waited for (:meth:`result`, :meth:`exception`):
+    until then :meth:`done` is false and no done-callback runs; the waiter then runs them."""
+
+    def __init__(self, inner: Future[int]) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def _settle(self, timeout: float | None) -> None:
+        if self.done():  # settled already (a done-callback asks again, from inside set_result)
+            return
+        failure = self._inner.exception(timeout)
+        try:
+            if failure is not None:
+                self.set_exception(failure)
+            else:
+                self.set_result(self._inner.result())
+        except InvalidStateError:
+            pass  # another waiter settled it meanwhile
+
+    def result(self, timeout: float | None = None) -> int:
+        self._settle(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._settle(timeout)
+        return super().exception(timeout)
+
+
+class _Mirror(Future[int]):
+    """The future :func:`_chain` returns: waiting for it waits for the transfer it mirrors first,
+    so a wrapped engine's late transfer (:class:`_Late`) completes when the wrapper's is waited for."""
+
+    def __init__(self, inner: IOFuture) -> None:
+        super().__init__()
+        self.inner: IOFuture | None = inner  # dropped once mirrored: it holds the callback that holds this
+
+    def _pull(self, timeout: float | None) -> None:
+        inner = self.inner
+        if inner is not None:
+            inner.error(timeout)
+
+    def result(self, timeout: float | None = None) -> int:
+        self._pull(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._pull(timeout)
+        return super().exception(timeout)
+
+
 def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None) -> Future[int]:
     """A concurrent Future that mirrors ``inner`` (optionally running ``after`` first, reporting ``report`` bytes)."""
-    out: Future[int] = Future()
+    out = _Mirror(inner)
 
     def done(f: IOFuture, _keep: Any = keep) -> None:  # _keep: the buffer lives until the transfer ends
+        out.inner = None
         failure = f.error(0)
         if failure is not None:
             out.set_exception(failure)

@@ -204,13 +204,23 @@ def run_rounds(modes: list[str], rounds: int, *, memory_limit: int | None, workd
                run: Callable[[str, int | None], list[_Row]]) -> list[_Row]:  # fmt: skip
     """``run(mode, cap)`` for every mode, ``rounds`` times: round ``k`` starts ``k`` modes later, so a
     slow spell of a shared machine does not always hit the same mode; modes in :data:`CAPPED` get
-    ``memory_limit``. Each row's ``round`` is set. Accelerate's offload folders are removed after."""
+    ``memory_limit``. Each row's ``round`` is set. Accelerate's offload folders are removed after.
+    With a ``memory_limit``, before the first child: the limit is checked
+    (:func:`~gds_offload.weights.cgroup.check_limit`: a bad one raises ``ConfigError`` here, not
+    when the first capped child starts), and the memory groups left by benchmark parents that
+    were killed are removed (:func:`~gds_offload.weights.cgroup.remove_stale_groups`), each one ``say``-ed."""
+    from gds_offload.weights.cgroup import check_limit, remove_stale_groups
+
     rows: list[_Row] = []
+    if memory_limit is not None:
+        check_limit(memory_limit, name=f"memory_limit={memory_limit}")
+        for line in remove_stale_groups():
+            say(line)
     try:
         for k in range(rounds):
             for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
                 limit = memory_limit if mode in CAPPED else None
-                say(f"round {k + 1}/{rounds}: {mode}" + (f" (cap {limit} bytes)" if limit else ""))
+                say(f"round {k + 1}/{rounds}: {mode}" + (f" (cap {limit} bytes)" if limit is not None else ""))
                 for r in run(mode, limit):
                     r.round = k
                     rows.append(r)
