@@ -86,6 +86,22 @@ def attach(
             Default: twice the largest layer's offloaded bytes, at least 64 MiB. This bounds
             memory when the drive is slower than forward produces activations.
 
+    Memory bound, from the first step on, however slow the drive: the saved activations the
+    offloader holds in memory at once (``stats().peak_resident_bytes``) are at most
+    ``K + max(W, L) + L + max(P, L)`` per backward pass running, until ``detach()``:
+
+    * ``K``: what it keeps, never written (the last ``keep_last`` layer calls, storages under
+      ``min_bytes``, units the policy keeps, failed writes): ``stats().peak_kept_bytes``;
+    * ``W``: ``write_window``; writes in flight hold at most ``max(W, L)``;
+    * ``L``: the largest layer's offloaded bytes in one forward; ``P``: ``prefetch_bytes``
+      (default: the policy's depth, one layer for ``policy="all"``, so ``P = L``); reads hold
+      at most ``L + max(P, L)``: the layer in backward and those read ahead of it.
+
+    With the defaults (``W = max(64 MiB, 2L)``, ``P = L``) that is ``K + W + 2L``. Outside
+    these bytes, the ``posix`` and ``compat`` engines keep host read buffers freed by
+    autograd for the next reads while a backward runs, and give them back when it ends
+    (:meth:`~gds_offload.io.base.Engine.trim`), so none is held through the next forward.
+
     Returns:
         The :class:`Offloader`; also a context manager that detaches on exit.
 

@@ -159,7 +159,12 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ profiles
     def _observe(self, fwd: ForwardRecord) -> None:
-        """A forward's backward pass ended: its profile goes to the layer stats and the policy."""
+        """A forward's backward pass ended: its profile goes to the layer stats and the policy,
+        and the engine gives back its idle read buffers (:meth:`~gds_offload.io.base.Engine.trim`).
+
+        Kept until the next backward, those buffers would sit in memory through the next
+        forward, on top of the kept and written activations that peak there.
+        """
         with self._lock:
             clock = fwd.clock
             if clock.cuda and not self.policy.needs_timing:
@@ -173,6 +178,7 @@ class SchedulerState:
                 s = self._layer_stat(u.name)
                 s.forward_seconds += p.forward_s
                 s.backward_seconds += p.backward_s
+        self.engine.trim()
         self.policy.observe(profile)
 
     # ------------------------------------------------------------------ readout

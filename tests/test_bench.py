@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gds_offload.bench.child import exact_in_process, run_here
-from gds_offload.bench.gpt import GPTConfig, make_gpt, synthetic_batch
+from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.runner import run_mode
 from gds_offload.bench.spec import RunResult, RunSpec, compare_losses, expand_modes, parse_mode
@@ -73,6 +73,55 @@ def test_other_engines_in_process(mode: str, tmp_path) -> None:
     assert got.losses_hex == keep.losses_hex and got.params_digest == keep.params_digest
     assert got.offload["bytes_offloaded"] > 0
     assert got.peak_activation_bytes is None and got.memory_source.startswith("not measured")
+
+
+def test_memory_peak_counts_from_before_the_first_step() -> None:
+    """What the first step allocates and keeps (as an engine keeps buffers for reuse) is in the
+    peak, as it is in the process's highest point: the baseline is taken before the first step,
+    with the model and AdamW state built, not after the warm-up."""
+    from gds_offload.bench.workload import Workload, build_workload
+
+    held: list[torch.Tensor] = []
+
+    def holding(spec: RunSpec) -> Workload:
+        wl = build_workload(spec)
+
+        def loss_fn(model: torch.nn.Module, batch: object) -> torch.Tensor:
+            if not held:
+                held.append(torch.ones(64 << 20, dtype=torch.uint8))  # written, so resident
+            return wl.loss_fn(model, batch)
+
+        return replace(wl, loss_fn=loss_fn)
+
+    got = run_here(RunSpec("keep", **TINY), emit=_quiet, workload=holding)
+    assert held and got.memory_source.startswith("VmHWM - VmRSS before the first step")
+    assert got.peak_activation_bytes is not None and got.peak_activation_bytes >= 64 << 20, got.peak_activation_bytes
+
+
+def test_adamw_with_its_state_built_trains_bit_identically() -> None:
+    """The bench builds AdamW's state before the baseline (it is not activation memory); every
+    loss, weight and moment is the same as with the state created by the first step."""
+    from gds_offload.bench.memory import adamw_with_state
+
+    cfg = GPTConfig(2, 64, 2, 32, 256, 0.1)
+
+    def train(prebuilt: bool) -> list[torch.Tensor]:
+        model = make_gpt(cfg, seed=0)
+        params = list(model.parameters())
+        opt = adamw_with_state(params, 1e-3) if prebuilt else torch.optim.AdamW(params, lr=1e-3)
+        seen = []
+        for i in range(3):
+            torch.manual_seed(i)
+            loss = lm_loss(model, synthetic_batch(cfg, 2, i))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            seen.append(loss.detach())
+        return seen + [p.detach().clone() for p in params] + [t for st in opt.state.values() for t in st.values()]
+
+    fresh, prebuilt = train(False), train(True)
+    assert len(fresh) == len(prebuilt) == 3 + 4 * len(list(make_gpt(cfg, seed=0).parameters()))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fresh, prebuilt))
 
 
 def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:

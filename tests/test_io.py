@@ -272,6 +272,23 @@ def test_read_buffers_are_reused_once_freed_and_the_idle_pool_is_capped() -> Non
     assert pool.idle_bytes == 0
 
 
+def test_trim_unmaps_idle_read_buffers_and_the_pool_keeps_pooling() -> None:
+    """``trim()`` (called when a backward pass ends) gives back the idle buffers at once; the
+    cap stays, so buffers in use when it ran are pooled again as they die, and reused."""
+    n = span_bytes(1 << 20)
+    pool = HostBufferPool(max_idle_bytes=2 * n)
+    a, b = empty_like_head(1 << 20, 0, pool), empty_like_head(1 << 20, 0, pool)
+    kept = b.untyped_storage().data_ptr()
+    del a
+    assert pool.idle_bytes == n
+    pool.trim()
+    assert pool.idle_bytes == 0 and pool.max_idle_bytes == 2 * n
+    del b
+    assert pool.idle_bytes == n, "a buffer in use during trim() is pooled when it dies"
+    c = empty_like_head(1 << 20, 0, pool)
+    assert c.untyped_storage().data_ptr() == kept and pool.reused == 1 and pool.idle_bytes == 0
+
+
 def _vm_flags(start: int, end: int) -> list[tuple[int, int, set[str]]]:
     """(start, end, VmFlags) of this process's mappings that overlap ``[start, end)``."""
     out, current = [], None

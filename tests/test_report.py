@@ -35,6 +35,20 @@ def test_each_section_names_command_commit_and_machine(tmp_path: Path) -> None:
     assert page.count("* machine: ") == 2
 
 
+def test_a_result_measured_otherwise_says_how_its_memory_was_measured(tmp_path: Path) -> None:
+    """The method names one definition of peak memory; a result file whose runs measured it
+    otherwise (an older definition) carries a ``memory`` line saying how."""
+    from gds_offload.bench.memory import CPU_SOURCE
+
+    doc = json.loads((REPO / "docs/results/ceiling-100MBps.json").read_text())
+    (tmp_path / "now.json").write_text(json.dumps(doc | {"title": "Now", "results": [r | {"memory_source": CPU_SOURCE} for r in doc["results"]]}))
+    old = "VmHWM - VmRSS after warm-up (MALLOC_MMAP_THRESHOLD_=65536)"
+    (tmp_path / "then.json").write_text(json.dumps(doc | {"title": "Then", "results": [r | {"memory_source": old} for r in doc["results"]]}))
+    page = render_page(load_sections(tmp_path), tmp_path, command="gds-offload report")
+    now, then = page.split("## Now")[1].split("## Then")[0], page.split("## Then")[1]
+    assert "* memory:" not in now and f"* memory: {old}\n" in then
+
+
 def test_a_result_without_a_command_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"rows": []}')
     done = subprocess.run(

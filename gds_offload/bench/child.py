@@ -8,14 +8,10 @@ One step is forward, backward, ``AdamW.step()`` and ``zero_grad(set_to_none=True
 The seed of step ``i`` (dropout masks) and its batch depend only on ``spec.seed`` and
 ``i``, so every mode computes the same losses unless a mode changes the numbers.
 
-Peak activation memory: on CPU, the child's peak resident set (``VmHWM``) during the
-measured steps minus its resident set after the warm-up steps (model, optimizer state
-and engine buffers allocated). The child runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so
-glibc returns freed large blocks to the OS and the resident set falls back between
-steps; ``VmHWM`` is reset by writing ``5`` to ``/proc/self/clear_refs``. On CUDA:
-``torch.cuda.max_memory_allocated()`` minus ``memory_allocated()`` after the warm-up.
-Either way the figure also holds gradients and backward temporaries, the same for
-every mode.
+Peak activation memory (:mod:`gds_offload.bench.memory`): the peak from before the first
+step (model and AdamW state built, the mode not set up yet) to the end of the last, warm-up
+included, above the level at that baseline; the same definition for every mode. Step
+times are those of the measured steps (after the warm-up).
 
 Paired runs (``RunSpec(paired=True)``, ``gds-offload bench --paired``): an offload mode's
 child alternates offloaded steps with steps under :meth:`~gds_offload.Offloader.paused`
@@ -39,6 +35,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gds_offload.bench.children import die_with_parent
+from gds_offload.bench.memory import Peak, adamw_with_state, proc_status_bytes
 from gds_offload.bench.spec import EVENT_PREFIX, RunResult, RunSpec, Unavailable, attach_kwargs, parse_mode
 from gds_offload.bench.workload import Workload, build_workload
 
@@ -79,27 +76,6 @@ def emit_event(event: dict[str, Any]) -> None:
     """Write ``event`` to stdout as one line the parent reads (``EVENT_PREFIX`` + JSON)."""
     sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
     sys.stdout.flush()
-
-
-def _proc_status_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_hwm() -> str:
-    """Reset this process's ``VmHWM`` to its current RSS. Returns "" or why it failed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return ""
-    except OSError as exc:
-        return f"cannot reset VmHWM ({exc})"
 
 
 def _params_digest(model: Any) -> str:
@@ -286,67 +262,23 @@ class _Trainer:
         self.result.losses_hex.append(loss.hex())
         if self.spec.progress:
             ev: dict[str, Any] = {"event": "step", "phase": phase, "step": i, "loss": loss, "step_s": dt,
-                                  "rss_bytes": _proc_status_bytes("VmRSS")}
+                                  "rss_bytes": proc_status_bytes("VmRSS")}
             if self.off is not None:
                 ev["offload"] = _offload_snapshot(self.off)
             self.emit(ev)
 
 
-class _Peak:
-    """The memory peak of the measured steps (see the module doc): CUDA's allocator counters on
-    a GPU, ``VmHWM`` on a CPU, nothing where memory is not measured."""
-
-    def __init__(self, gpu: torch.device | None) -> None:
-        self.gpu = gpu
-        self.hwm = False  # VmHWM counts from a reset we made
-
-    def start(self, spec: RunSpec, result: RunResult) -> None:
-        """After the warm-up: put the baseline and how it is measured in ``result``, and count the peak from now."""
-        import torch
-
-        if self.gpu is not None:
-            result.base_bytes = torch.cuda.memory_allocated(self.gpu)
-            torch.cuda.reset_peak_memory_stats(self.gpu)
-            result.memory_source = "torch.cuda.max_memory_allocated - memory_allocated after warm-up"
-        elif spec.measure_memory:
-            result.base_bytes = _proc_status_bytes("VmRSS")
-            why = _reset_hwm()
-            self.hwm = not why
-            result.memory_source = why or "VmHWM - VmRSS after warm-up (MALLOC_MMAP_THRESHOLD_=65536)"
-        else:
-            result.memory_source = "not measured (measure_memory=False: default allocator settings)"
-
-    @property
-    def measuring(self) -> bool:
-        return self.gpu is not None or self.hwm
-
-    def reset(self) -> None:
-        """Count the peak from now."""
-        import torch
-
-        if self.gpu is not None:
-            torch.cuda.reset_peak_memory_stats(self.gpu)
-        elif self.hwm:
-            _reset_hwm()
-
-    def now(self) -> int | None:
-        """The peak since the last reset, in bytes (``None``: not measured)."""
-        import torch
-
-        if self.gpu is not None:
-            return torch.cuda.max_memory_allocated(self.gpu)
-        return _proc_status_bytes("VmHWM") if self.hwm else None
-
-
-def _measure(trainer: _Trainer, peak: _Peak) -> int | None:
-    """Run the measured steps; return the memory peak over them (``None``: not measured).
+def _measure(trainer: _Trainer, peak: Peak) -> int | None:
+    """Run the measured steps; return the memory peak since the baseline, warm-up included
+    (``None``: not measured).
 
     With ``spec.paired`` (offload modes) offloaded and paused steps alternate in ABBA order,
-    the paused ones go to ``paired_keep_seconds``, and the peak is that of the offloaded ones.
+    the paused ones go to ``paired_keep_seconds``, and the peak is that of the offloaded
+    ones and of the warm-up (offloaded too).
     """
     spec, off, result = trainer.spec, trainer.off, trainer.result
     paired = spec.paired and off is not None
-    paired_peak = 0
+    paired_peak = peak.now() or 0  # the warm-up's
     for k in range(spec.steps):
         i = spec.warmup + k
         offloaded = not paired or abba_first_half(k) or is_unpaired(k, spec.steps)
@@ -395,7 +327,10 @@ def run_here(
                        torch_threads=torch.get_num_threads())
     wl = workload(spec)
     wl.model.train()
-    opt = torch.optim.AdamW(wl.model.parameters(), lr=spec.lr)
+    opt = adamw_with_state(wl.model.parameters(), spec.lr)
+    gc.collect()
+    peak = Peak(torch.device(spec.device) if spec.device.startswith("cuda") else None)
+    peak.start(spec, result)  # the baseline: before the mode is set up and before the first step
     off = _apply_mode(spec, kind, engine, wl.model, result)
     emit({"event": "setup", "mode": spec.mode, "engine": result.engine, "engine_reason": result.engine_reason,
           "gds": result.gds, "layers": len(result.layer_names), "device": spec.device})
@@ -403,17 +338,19 @@ def run_here(
     try:
         for i in range(spec.warmup):
             trainer.record(i, "warmup", *trainer.step(i))
-        gc.collect()
-        trainer.sync()
-        peak = _Peak(trainer.gpu)
-        peak.start(spec, result)
+        # The counters of the measured steps (bytes and waits per step; each step's writes
+        # counted once landed, so synchronize() at both ends), the peaks of the whole run.
         if off is not None:
-            off.stats(reset=True)
+            off.synchronize()
+        warm = off.stats(reset=True) if off is not None else None
         peak_abs = _measure(trainer, peak)
         if peak_abs is not None and result.base_bytes is not None:
             result.peak_activation_bytes = peak_abs - result.base_bytes
-        if off is not None:
+        if off is not None and warm is not None:
+            off.synchronize()
             result.offload = off.stats().as_dict()
+            for key in ("peak_resident_bytes", "peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"):
+                result.offload[key] = max(result.offload[key], getattr(warm, key))
     finally:
         if off is not None:
             off.detach()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.memory import CPU_SOURCE, CUDA_SOURCE
 from gds_offload.units import format_bytes
 
 __all__ = ["Section", "load_sections", "render_page", "current_commit"]
@@ -36,9 +37,12 @@ METHOD = """\
   the same per-rank batch; ratios to `keep` are taken within a setting, and every rank's
   losses are compared with `keep`'s on that rank.
 * **Memory.** Peak activation memory is the child's peak RSS (GPU: peak allocated bytes)
-  above its level after warm-up; it includes gradients and backward temporaries, which
-  every mode has. The offloader's own peaks (kept, held by writes in flight, read ahead)
-  come from `Offloader.stats()`.
+  over the whole run, first step included, above its level before the first step with the
+  model and optimizer (AdamW state included) built and nothing of the mode set up; it
+  includes gradients, backward temporaries and the first step's one-time allocations, which
+  every mode has, and everything a mode allocates. Results measured otherwise say so in
+  their `memory` line. The offloader's own peaks (kept, held by writes in flight, read
+  ahead) come from `Offloader.stats()`, over the same steps.
 * **Exactness.** Every mode's losses and final weights are compared bit for bit with
   `keep`'s; a mode that differs across processes is re-checked in one process.
 * **Load.** Each run records the machine's load average at its start and end. On a
@@ -313,6 +317,9 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
         f"* results: [`{section.path.name}`]({os.path.relpath(section.path, page_dir)})",
         "",
     ]
+    sources = sorted({str(r["memory_source"]) for r in doc.get("results") or [] if r.get("memory_source")})
+    if sources and sources != [CPU_SOURCE] and sources != [CUDA_SOURCE]:
+        lines[-1:-1] = [f"* memory: {'; '.join(sources)}"]
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
     lines += _targets(doc)
     plot = Path(doc["plot"]) if doc.get("plot") else None

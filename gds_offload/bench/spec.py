@@ -123,10 +123,12 @@ class RunResult:
     input_wait_seconds: list[float] = field(default_factory=list)
     median_step_s: float | None = None
     tokens_per_s: float | None = None
-    #: Peak memory above the post-warm-up baseline (see the module doc).
+    #: Peak memory over the whole run, first step included, above the baseline taken before
+    #: it with the model and optimizer built (:mod:`gds_offload.bench.memory`).
     peak_activation_bytes: int | None = None
     #: How ``peak_activation_bytes`` was measured.
     memory_source: str = ""
+    #: The baseline (RSS, or CUDA bytes allocated) the peak is counted from.
     base_bytes: int | None = None
     #: Loss of every step, warm-up included, in order.
     losses: list[float] = field(default_factory=list)

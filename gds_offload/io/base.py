@@ -55,6 +55,9 @@ class EngineStats:
     write_busy_seconds: float = 0.0
     read_busy_seconds: float = 0.0
     retries: int = 0
+    #: Host memory the engine holds in idle buffers kept for reuse (now, not a total): read
+    #: buffers between their tensor's death and the next read (see :meth:`Engine.trim`).
+    idle_buffer_bytes: int = 0
 
     def write_gbps(self) -> float:
         return self.bytes_written / self.write_busy_seconds / 1e9 if self.write_busy_seconds else 0.0
@@ -183,6 +186,14 @@ class Engine(ABC):
 
     def release(self, slot: Slot) -> None:
         """The slot's bytes are no longer needed (engines that hold memory per slot free it)."""
+
+    def trim(self) -> None:
+        """Give back the memory kept for reuse that holds no bytes now (idle read buffers).
+
+        The offloader calls it when a backward pass ends: no read comes before the next
+        backward, and buffers kept idle through the next forward would add to the memory
+        that forward's kept and written activations hold. Engines that keep nothing: no-op.
+        """
 
     def close(self) -> None:
         """Wait for in-flight transfers and stop the engine's threads. Idempotent."""

@@ -156,6 +156,9 @@ class FaultyEngine(Engine):
     def empty(self, nbytes: int, slot: Slot, device: torch.device) -> torch.Tensor:
         return self.inner.empty(nbytes, slot, device)
 
+    def trim(self) -> None:
+        self.inner.trim()
+
     def close(self) -> None:
         super().close()
         self._pool.shutdown(wait=True)

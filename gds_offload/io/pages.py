@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gds_offload.io.base import Engine
+from gds_offload.io.base import Engine, EngineStats
 from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
@@ -174,12 +174,17 @@ class HostBufferPool:
         weakref.finalize(arr, self._give_back, mm, length).atexit = False
         return torch.from_numpy(arr)
 
-    def clear(self) -> None:
-        """Unmap the idle buffers (those in use come back and are unmapped as they die)."""
+    def trim(self) -> None:
+        """Unmap the idle buffers now. Buffers in use still come back (up to the cap) as they die."""
         with self._lock:
-            self.max_idle_bytes = 0
             self._free.clear()
             self.idle_bytes = 0
+
+    def clear(self) -> None:
+        """Unmap the idle buffers, and from now on every buffer as it dies (the engine closes)."""
+        with self._lock:
+            self.max_idle_bytes = 0
+        self.trim()
 
     def _give_back(self, mm: mmap.mmap, length: int) -> None:
         with self._lock:
@@ -234,6 +239,14 @@ class PageSpanEngine(Engine):
     def close(self) -> None:
         super().close()
         self._buffers.clear()
+
+    def trim(self) -> None:
+        self._buffers.trim()
+
+    def stats(self) -> EngineStats:
+        out = super().stats()
+        out.idle_buffer_bytes = self._buffers.idle_bytes
+        return out
 
     def slot_bytes(self, nbytes: int, device: torch.device) -> int:
         return span_bytes(nbytes) if device.type == "cpu" else nbytes

@@ -1,0 +1,72 @@
+"""The memory the offloader holds, counted from the first step on: the bound ``attach()`` states,
+and no read buffer kept idle from one backward into the next forward.
+
+The drive is capped far below forward's pace (``max_bandwidth``), so writes in flight fill
+the write window; the assertions are on bytes (the peaks of ``stats()``, never reset, so the
+first step is included), which hold however the writes are timed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models import MLP, assert_same, offload_everything, settled, train_step
+
+import gds_offload
+
+MiB = 1 << 20
+
+
+def _model() -> tuple[MLP, torch.Tensor]:
+    """Six blocks of Linear + GELU, each saving two 1 MiB tensors (its input and GELU's)."""
+    torch.manual_seed(0)
+    return MLP(width=256, depth=6), torch.randn(1024, 256)
+
+
+def test_idle_read_buffers_are_given_back_when_a_backward_ends(spill_dir: Path, engine: str) -> None:
+    """Backward reads every offloaded tensor back into the engine's read buffers; once the pass
+    ends, none of them stays idle in memory (the next forward's kept and written bytes peak
+    without them). Training stays exact."""
+    model, x = _model()
+    ref = [train_step(model, x, seed=s) for s in range(2)]
+    with offload_everything(model, spill_dir, engine) as off:
+        for s in range(2):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(s)
+            loss = model(x).pow(2).mean()
+            off.synchronize()  # every write has landed: backward reads every tensor back
+            read_before = off.stats().bytes_read
+            loss.backward()
+            assert off.stats().bytes_read - read_before >= 10 * MiB, "backward read the offloaded tensors back"
+            assert off.engine.stats().idle_buffer_bytes == 0, "read buffers kept idle after the backward pass ended"
+            assert_same(ref[s], train_step(model, x, seed=s))
+
+
+@pytest.mark.parametrize(
+    ("write_window", "prefetch_bytes"),
+    [(3 * MiB, None), (8 * MiB, 2 * MiB), (1 * MiB, 6 * MiB)],
+    ids=["window-3MiB", "window-8MiB-prefetch-2MiB", "window-1MiB-prefetch-6MiB"],
+)
+def test_saved_bytes_in_memory_stay_under_the_bound_from_the_first_step(
+    spill_dir: Path, write_window: int, prefetch_bytes: int | None
+) -> None:
+    """``stats().peak_resident_bytes`` over three steps, first included, is at most
+    K + max(W, L) + L + max(P, L) (attach()'s docstring): K the kept bytes' peak, W the write
+    window, L the largest layer's offloaded bytes, P ``prefetch_bytes`` (default: one layer);
+    and each part of it stays under its own term."""
+    model, x = _model()
+    ref = [train_step(model, x, seed=s) for s in range(3)]
+    with gds_offload.attach(model, path=spill_dir, mode="posix", min_bytes=0, max_bandwidth="20MB/s",
+                            write_window=write_window, prefetch_bytes=prefetch_bytes) as off:
+        for s in range(3):
+            assert_same(ref[s], train_step(model, x, seed=s))
+        st = settled(off)
+    assert st.steps == 3 and st.bytes_read > 0 and st.write_wait_seconds > 0, st
+    layer = max(s.bytes_offloaded for s in st.layers) // st.steps
+    assert layer == 2 * MiB, [(s.name, s.bytes_offloaded) for s in st.layers]
+    window, ahead = st.write_window_bytes, prefetch_bytes if prefetch_bytes is not None else layer
+    assert window == write_window
+    assert st.peak_writing_bytes <= max(window, layer), st
+    assert st.peak_loaded_bytes <= layer + max(ahead, layer), st
+    assert st.peak_resident_bytes <= st.peak_kept_bytes + max(window, layer) + layer + max(ahead, layer), st
