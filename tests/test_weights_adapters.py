@@ -209,6 +209,9 @@ def test_trained_adapters_load_after_load_streamed(stores: dict[str, tuple[Path,
             if p.requires_grad:
                 assert torch.equal(got[n], p), n
         assert torch.equal(h(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
+        # The copies are the model's own: loading into them left the stored (original) modules as they were.
+        with h.model.disable_adapter(), ref.disable_adapter():
+            assert torch.equal(h(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
 def test_lora_on_an_embedding_is_initialised(stores: dict[str, tuple[Path, Path]]) -> None:
