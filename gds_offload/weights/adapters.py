@@ -153,7 +153,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Adapters]:
         )
     configs: dict[str, Any] = model.peft_config  # type: ignore[assignment]
     for adapter, cfg in configs.items():
-        _check_config(adapter, cfg, base)
+        _check_config(adapter, cfg)
     out = Adapters(configs=configs)
     for name, m in found.items():
         if isinstance(m, peft.saved):
@@ -170,7 +170,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Adapters]:
                 out.tokens[name] = m
             out.names.update(n for n in _tensor_names(m, f"{name}.") if not n.startswith(f"{name}.base_layer."))
         else:
-            _check_layer(name, m, peft, configs)
+            _check_layer(name, m, peft)
             out.layers[name] = m
             out.prefixes.append((f"{name}.base_layer.", f"{name}."))
             out.names.update(n for n in _tensor_names(m, f"{name}.") if not n.startswith(f"{name}.base_layer."))
@@ -192,7 +192,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Adapters]:
 _DERIVED = ("pissa", "olora", "loftq", "corda", "mica", "eva", "lora_ga")
 
 
-def _check_config(adapter: str, cfg: Any, base: nn.Module) -> None:
+def _check_config(adapter: str, cfg: Any) -> None:
     kind = str(getattr(cfg, "peft_type", type(cfg).__name__))
     if kind.rpartition(".")[2] != "LORA":
         raise ConfigError(f"adapter {adapter!r} is {kind.rpartition('.')[2]} ({type(cfg).__name__}): only LoRA adapters can be "
@@ -213,7 +213,7 @@ def _check_config(adapter: str, cfg: Any, base: nn.Module) -> None:
                               f"as PEFT does on a real model; use plain LoRA (leave {f.name} unset)")  # fmt: skip
     refused = {
         "target_parameters": "puts LoRA on bare parameters (PEFT's ParamWrapper), which load_streamed does not support; target their modules with target_modules",
-        "layer_replication": "repeats layers that share one layer's weights, which a weight store streams once per layer; convert a checkpoint of the deeper model instead",
+        "layer_replication": "repeats layers as copies sharing one layer's weights, which load_streamed does not support (it streams each stored layer into one module); convert a checkpoint of the deeper model instead",
         "modules_to_tie": "(ensure_weight_tying=True on tied embeddings) ties a modules_to_save copy to the embedding's; set ensure_weight_tying=False",
         "target_modules_to_tie": "(ensure_weight_tying=True on tied embeddings) ties LoRA adapters to the embedding's; set ensure_weight_tying=False",
     }
@@ -223,7 +223,7 @@ def _check_config(adapter: str, cfg: Any, base: nn.Module) -> None:
             raise ConfigError(f"adapter {adapter!r}: {attr}={sorted(value) if isinstance(value, set) else value!r} {why}")
 
 
-def _check_layer(name: str, layer: nn.Module, peft: _Peft, configs: dict[str, Any]) -> None:
+def _check_layer(name: str, layer: nn.Module, peft: _Peft) -> None:
     if type(layer) not in (peft.linear, peft.embedding):
         hint = " (target_parameters)" if type(layer).__name__ == "ParamWrapper" else ""
         raise ConfigError(
