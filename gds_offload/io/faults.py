@@ -7,10 +7,20 @@ its cause), a *short* transfer (only the first half of the bytes move and the fu
 reports that count), or *corruption* (the bytes move, but wrong: a write stores
 flipped bytes, a read flips bytes after they arrive, and both report success).
 
+Two more kinds force timing and submission failures: ``hold`` (the transfer starts only
+when :meth:`FaultyEngine.resume` is called, so a test can keep a read in flight for as long
+as it needs, without timers) and ``raise`` (submitting the transfer raises
+:class:`~gds_offload.errors.OffloadError` at once and moves nothing, as an engine that cannot
+start one does).
+
 Faults are deterministic: a :class:`Fault` hits the ``nth`` transfer of its
 direction (1-based, counted from when the wrapper was installed) and the
 ``count - 1`` after it (``count=0``: every one from ``nth`` on). Failed futures
 complete on the wrapper's own thread, like real I/O completions do.
+
+The wrapper also checks the buffer-ownership contract of reads (:mod:`gds_offload.io.base`):
+a read submitted into memory that an unfinished read still writes is recorded in
+:attr:`FaultyEngine.overlaps`.
 
 Install into a freshly attached offloader (before its first step)::
 
@@ -33,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from gds_offload.errors import ConfigError
+from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
 
 if TYPE_CHECKING:
@@ -42,8 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
 
-Kind = Literal["enospc", "eio", "short", "corrupt"]
-_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt")
+Kind = Literal["enospc", "eio", "short", "corrupt", "hold", "raise"]
+_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt", "hold", "raise")
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 
@@ -109,6 +119,7 @@ class FaultyEngine(Engine):
 
     Attributes:
         injected: one record per fault injected (direction, kind, transfer number, slot offset).
+        overlaps: one line per read submitted into memory an unfinished read still wrote.
     """
 
     def __init__(self, inner: Engine, faults: Sequence[Fault] = ()) -> None:
@@ -123,6 +134,9 @@ class FaultyEngine(Engine):
         self._counts = {"write": 0, "read": 0}
         self._fault_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gds_offload-faults")
+        self.overlaps: list[str] = []
+        self._reading: dict[int, tuple[int, int]] = {}  # unfinished reads' destination ranges
+        self._held: list[Any] = []  # starts of the transfers a "hold" fault keeps back
 
     def add(self, *faults: Fault) -> None:
         """Inject more faults (counted from the transfers already done)."""
@@ -133,6 +147,18 @@ class FaultyEngine(Engine):
         """Transfers seen so far, by direction."""
         with self._fault_lock:
             return dict(self._counts)
+
+    def holding(self) -> int:
+        """Transfers a ``hold`` fault keeps back (submitted, not started)."""
+        with self._fault_lock:
+            return len(self._held)
+
+    def resume(self) -> None:
+        """Start every transfer a ``hold`` fault keeps back."""
+        with self._fault_lock:
+            starts, self._held = self._held, []
+        for start in starts:
+            start()
 
     def release(self, slot: Slot) -> None:
         self.inner.release(slot)
@@ -148,6 +174,7 @@ class FaultyEngine(Engine):
 
     def close(self) -> None:
         super().close()
+        self.resume()  # a held transfer must not outlive the engine
         self._pool.shutdown(wait=True)
         self.inner.close()
 
@@ -172,6 +199,13 @@ class FaultyEngine(Engine):
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fault = self._pick("write", slot)
+        if fault is not None and fault.kind == "raise":
+            raise OffloadError(f"write of {src.numel()} bytes at {slot.file.describe()} offset {slot.offset} could not start (injected by FaultyEngine)")
+        if fault is not None and fault.kind == "hold":
+            out: Future[int] = Future()
+            with self._fault_lock:
+                self._held.append(lambda: _chain(self.inner.write(src, slot, ready=ready), into=out))
+            return out
         if fault is None:
             return _chain(self.inner.write(src, slot, ready=ready))
         if fault.kind in _ERRNO:
@@ -184,17 +218,45 @@ class FaultyEngine(Engine):
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fault = self._pick("read", slot)
+        if fault is not None and fault.kind == "raise":
+            raise OffloadError(f"read of {dst.numel()} bytes at {slot.file.describe()} offset {slot.offset} could not start (injected by FaultyEngine)")
+        out = self._read(dst, slot, ready, fault)
+        self._track_read(dst, out)
+        return out
+
+    def _read(self, dst: torch.Tensor, slot: Slot, ready: Any, fault: Fault | None) -> Future[int]:
         if fault is None:
             return _chain(self.inner.read(dst, slot, ready=ready))
         if fault.kind in _ERRNO:
             return self._fail("read", dst.numel(), slot, fault)
         if fault.kind == "short":
             return _chain(self.inner.read(dst[: dst.numel() // 2], slot, ready=ready))
+        if fault.kind == "hold":
+            out: Future[int] = Future()
+            with self._fault_lock:
+                self._held.append(lambda: _chain(self.inner.read(dst, slot, ready=ready), into=out))
+            return out
 
         def flip() -> None:
             dst[:64] ^= 0x5A
 
         return _chain(self.inner.read(dst, slot, ready=ready), after=flip)
+
+    def _track_read(self, dst: torch.Tensor, future: Future[int]) -> None:
+        lo = dst.data_ptr()
+        hi = lo + dst.numel()
+        with self._fault_lock:
+            for a, b in self._reading.values():
+                if a < hi and lo < b:
+                    self.overlaps.append(f"a read into [{lo:#x}, {hi:#x}) while a read into [{a:#x}, {b:#x}) is unfinished")
+            key = id(future)
+            self._reading[key] = (lo, hi)
+
+        def done(_: Future[int]) -> None:
+            with self._fault_lock:
+                self._reading.pop(key, None)
+
+        future.add_done_callback(done)
 
     def _fail(self, op: Direction, nbytes: int, slot: Slot, fault: Fault) -> Future[int]:
         code = _ERRNO[fault.kind]
@@ -207,9 +269,10 @@ class FaultyEngine(Engine):
         return self._pool.submit(raise_it)
 
 
-def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None) -> Future[int]:
-    """A concurrent Future that mirrors ``inner`` (optionally running ``after`` first, reporting ``report`` bytes)."""
-    out: Future[int] = Future()
+def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None, into: Future[int] | None = None) -> Future[int]:
+    """A concurrent Future (``into``, or a new one) that mirrors ``inner`` (optionally running
+    ``after`` first, reporting ``report`` bytes)."""
+    out: Future[int] = Future() if into is None else into
 
     def done(f: IOFuture, _keep: Any = keep) -> None:  # _keep: the buffer lives until the transfer ends
         failure = f.error(0)
