@@ -17,7 +17,7 @@ from gds_offload.errors import ConfigError
 from gds_offload.io import Mode, validate_mode
 from gds_offload.policy import Adaptive, Budget, OffloadAll, Policy
 from gds_offload.spill_dir import Origin, check_dir, spill_dir_origin
-from gds_offload.units import parse_bandwidth, parse_bytes
+from gds_offload.units import checked_bool, checked_int, parse_bandwidth, parse_bytes
 
 __all__ = ["OffloadConfig", "OnError", "DEFAULT_MIN_BYTES"]
 
@@ -88,11 +88,10 @@ class OffloadConfig:
                 + (f" (did you mean {hint[0]!r}?)" if hint else "")
             )
         checked_on_error = _checked_on_error(on_error)
-        _checked_int("keep_last", keep_last, low=0, what="layers kept in memory at the end")
+        checked_int("keep_last", keep_last, low=0, what="layers kept in memory at the end")
         if num_threads is not None:
-            _checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
-        if not isinstance(verify, bool):
-            raise ConfigError(f"verify={verify!r} ({type(verify).__name__}) must be True or False")
+            checked_int("num_threads", num_threads, low=1, what="engine I/O threads; None for the engine's default")
+        checked_bool("verify", verify)
         paths, origin = _checked_paths(path, origin)
         config = cls(
             paths=paths,
@@ -160,11 +159,3 @@ def _checked_paths(path: Any, origin: Origin = "path") -> tuple[tuple[Path, ...]
             raise ConfigError(f"{shown} contains a NUL character; pass a real directory")
         out.append(Path(item).expanduser())
     return tuple(out), origin
-
-
-def _checked_int(name: str, value: Any, *, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be an int >= {low} ({what})")
-    if value < low:
-        raise ConfigError(f"{name}={value!r} must be an int >= {low} ({what})")
-    return value

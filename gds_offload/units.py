@@ -5,7 +5,7 @@ import re
 
 from gds_offload.errors import ConfigError
 
-__all__ = ["parse_bytes", "parse_bandwidth", "format_bytes"]
+__all__ = ["checked_bool", "checked_int", "parse_bytes", "parse_bandwidth", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -35,6 +35,23 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '40GiB' or '512MB'"
         )
     return _checked(float(m.group(1)) * _UNITS[unit], value, name)
+
+
+def checked_int(name: str, value: object, *, low: int, what: str) -> int:
+    """``value`` if it is an int (not a bool) ``>= low``; else :class:`ConfigError` naming ``name``,
+    the value and ``what`` the argument means. No coercion: ``2.0`` and ``"2"`` are refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be an int >= {low} ({what})")
+    if value < low:
+        raise ConfigError(f"{name}={value!r} must be an int >= {low} ({what})")
+    return value
+
+
+def checked_bool(name: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``; else :class:`ConfigError` (``"no"`` is not false)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}) must be True or False")
+    return value
 
 
 #: Sizes above this (an exbibyte) are typos, not drives.

@@ -15,10 +15,20 @@ corrupt write). A test that needs a write settled before backward must force it,
 with every write late shows whether it does. The write window waits for writes to finish by
 themselves, which late ones never do: keep late writes to models whose forward fits the window.
 
+Two more kinds force timing and submission failures: ``hold`` (the transfer starts only
+when :meth:`FaultyEngine.resume` is called, so a test can keep a read in flight for as long
+as it needs, without timers) and ``raise`` (submitting the transfer raises
+:class:`~gds_offload.errors.OffloadError` at once and moves nothing, as an engine that cannot
+start one does).
+
 Faults are deterministic: a :class:`Fault` hits the ``nth`` transfer of its
 direction (1-based, counted from when the wrapper was installed) and the
 ``count - 1`` after it (``count=0``: every one from ``nth`` on). Failed futures
 complete on the wrapper's own thread, like real I/O completions do.
+
+The wrapper also checks the buffer-ownership contract of reads (:mod:`gds_offload.io.base`):
+a read submitted into memory that an unfinished read still writes is recorded in
+:attr:`FaultyEngine.overlaps`.
 
 Install into a freshly attached offloader (before its first step)::
 
@@ -41,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from gds_offload.errors import ConfigError
+from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
 
 if TYPE_CHECKING:
@@ -50,8 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
 
-Kind = Literal["enospc", "eio", "short", "corrupt", "late"]
-_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt", "late")
+Kind = Literal["enospc", "eio", "short", "corrupt", "late", "hold", "raise"]
+_KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt", "late", "hold", "raise")
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 
@@ -119,6 +129,7 @@ class FaultyEngine(Engine):
     Attributes:
         injected: one record per fault injected (direction, kind, transfer number, slot offset);
             ``late`` transfers are not recorded.
+        overlaps: one line per read submitted into memory an unfinished read still wrote.
     """
 
     def __init__(self, inner: Engine, faults: Sequence[Fault] = ()) -> None:
@@ -133,6 +144,9 @@ class FaultyEngine(Engine):
         self._counts = {"write": 0, "read": 0}
         self._fault_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gds_offload-faults")
+        self.overlaps: list[str] = []
+        self._reading: dict[int, tuple[int, int]] = {}  # unfinished reads' destination ranges
+        self._held: list[Any] = []  # starts of the transfers a "hold" fault keeps back
 
     def add(self, *faults: Fault) -> None:
         """Inject more faults (counted from the transfers already done)."""
@@ -143,6 +157,18 @@ class FaultyEngine(Engine):
         """Transfers seen so far, by direction."""
         with self._fault_lock:
             return dict(self._counts)
+
+    def holding(self) -> int:
+        """Transfers a ``hold`` fault keeps back (submitted, not started)."""
+        with self._fault_lock:
+            return len(self._held)
+
+    def resume(self) -> None:
+        """Start every transfer a ``hold`` fault keeps back."""
+        with self._fault_lock:
+            starts, self._held = self._held, []
+        for start in starts:
+            start()
 
     def release(self, slot: Slot) -> None:
         self.inner.release(slot)
@@ -161,6 +187,7 @@ class FaultyEngine(Engine):
 
     def close(self) -> None:
         super().close()
+        self.resume()  # a held transfer must not outlive the engine
         self._pool.shutdown(wait=True)
         self.inner.close()
 
@@ -187,15 +214,22 @@ class FaultyEngine(Engine):
 
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fault, late = self._pick("write", slot)
+        if fault is not None and fault.kind == "raise":
+            raise OffloadError(f"write of {src.numel()} bytes at {slot.file.describe()} offset {slot.offset} could not start (injected by FaultyEngine)")
         future = self._write(fault, src, slot, ready)
         return _Late(future) if late else future
 
     def _submit_read(self, dst: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
         fault, late = self._pick("read", slot)
+        if fault is not None and fault.kind == "raise":
+            raise OffloadError(f"read of {dst.numel()} bytes at {slot.file.describe()} offset {slot.offset} could not start (injected by FaultyEngine)")
         future = self._read(fault, dst, slot, ready)
+        self._track_read(dst, future)
         return _Late(future) if late else future
 
     def _write(self, fault: Fault | None, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]:
+        if fault is not None and fault.kind == "hold":
+            return self._hold(lambda: self.inner.write(src, slot, ready=ready))
         if fault is None:
             return _chain(self.inner.write(src, slot, ready=ready))
         if fault.kind in _ERRNO:
@@ -213,11 +247,36 @@ class FaultyEngine(Engine):
             return self._fail("read", dst.numel(), slot, fault)
         if fault.kind == "short":
             return _chain(self.inner.read(dst[: dst.numel() // 2], slot, ready=ready))
+        if fault.kind == "hold":
+            return self._hold(lambda: self.inner.read(dst, slot, ready=ready))
 
         def flip() -> None:
             dst[:64] ^= 0x5A
 
         return _chain(self.inner.read(dst, slot, ready=ready), after=flip)
+
+    def _hold(self, start: Any) -> Future[int]:
+        """A transfer that ``start()`` submits to the inner engine once :meth:`resume` is called."""
+        out = _Mirror(None)
+        with self._fault_lock:
+            self._held.append(lambda: _chain(start(), into=out))
+        return out
+
+    def _track_read(self, dst: torch.Tensor, future: Future[int]) -> None:
+        lo = dst.data_ptr()
+        hi = lo + dst.numel()
+        with self._fault_lock:
+            for a, b in self._reading.values():
+                if a < hi and lo < b:
+                    self.overlaps.append(f"a read into [{lo:#x}, {hi:#x}) while a read into [{a:#x}, {b:#x}) is unfinished")
+            key = id(future)
+            self._reading[key] = (lo, hi)
+
+        def done(_: Future[int]) -> None:
+            with self._fault_lock:
+                self._reading.pop(key, None)
+
+        future.add_done_callback(done)
 
     def _fail(self, op: Direction, nbytes: int, slot: Slot, fault: Fault) -> Future[int]:
         code = _ERRNO[fault.kind]
@@ -263,9 +322,10 @@ class _Mirror(Future[int]):
     """The future :func:`_chain` returns: waiting for it waits for the transfer it mirrors first,
     so a wrapped engine's late transfer (:class:`_Late`) completes when the wrapper's is waited for."""
 
-    def __init__(self, inner: IOFuture) -> None:
+    def __init__(self, inner: IOFuture | None) -> None:
         super().__init__()
         self.inner: IOFuture | None = inner  # dropped once mirrored: it holds the callback that holds this
+        # (None until a held transfer is started: waiting then waits for it to be started and done)
 
     def _pull(self, timeout: float | None) -> None:
         inner = self.inner
@@ -281,9 +341,13 @@ class _Mirror(Future[int]):
         return super().exception(timeout)
 
 
-def _chain(inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None) -> Future[int]:
-    """A concurrent Future that mirrors ``inner`` (optionally running ``after`` first, reporting ``report`` bytes)."""
-    out = _Mirror(inner)
+def _chain(
+    inner: IOFuture, *, keep: Any = None, report: int | None = None, after: Any = None, into: _Mirror | None = None
+) -> Future[int]:
+    """A concurrent Future (``into``, or a new one) that mirrors ``inner`` (optionally running
+    ``after`` first, reporting ``report`` bytes)."""
+    out = _Mirror(inner) if into is None else into
+    out.inner = inner
 
     def done(f: IOFuture, _keep: Any = keep) -> None:  # _keep: the buffer lives until the transfer ends
         out.inner = None

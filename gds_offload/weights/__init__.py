@@ -5,6 +5,7 @@ KvikIO/GPUDirect Storage) while the previous layer computes.
 * :func:`convert` / :func:`verify_store`: a safetensors checkpoint -> a store (``gds-offload convert``).
 * :func:`load_streamed` -> :class:`StreamedModel`: a meta-device skeleton whose layers stream from a store.
 * :func:`read_manifest`, :class:`Manifest`: where every tensor lies, and its checksums.
+* :func:`as_reference`: the resident model a streamed one is bit-identical to.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gds_offload.weights.errors import (
     WeightsMismatchError,
 )
 from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.reference import as_reference
 from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "load_streamed",
     "StreamedModel",
     "StreamStats",
+    "as_reference",
     "read_manifest",
     "config_fingerprint",
     "Manifest",

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.weights.interrupts import held
 from gds_offload.weights.manifest import GroupEntry
 from gds_offload.weights.ring import Ring
 
@@ -160,7 +161,13 @@ class SavedWeights:
         return typed.as_strided(packed.size, packed.stride, typed.storage_offset() + packed.offset // typed.element_size())
 
     def _bytes(self, pos: int) -> torch.Tensor:
-        """Layer ``pos``'s bytes, read again (or copied); starts reading (or copying) the layer below it."""
+        """Layer ``pos``'s bytes, read again (or copied); starts reading (or copying) the layer below it.
+        Stop signals are held while the lock is (a ``KeyboardInterrupt`` between acquiring it and
+        arming its release would leave it held for good), and delivered during the read's wait."""
+        with held():
+            return self._fetch(pos)()
+
+    def _fetch(self, pos: int) -> Callable[[], torch.Tensor]:
         with self._lock:
             if self._closed:
                 raise OffloadError(
@@ -181,8 +188,7 @@ class SavedWeights:
                 else:
                     self._fetched[p] = _once(self._ring.fetch(self._groups[p]))
                     self.reads[p] += 1
-            done = self._fetched[pos]
-        return done()
+            return self._fetched[pos]
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -206,7 +212,7 @@ def _once(wait: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         if not result:
             try:
                 result.append(wait())
-            except BaseException as exc:
+            except Exception as exc:  # a read's error; an interrupt (BaseException) leaves the wait to be done again
                 result.append(exc)
         if isinstance(result[0], BaseException):
             raise result[0]

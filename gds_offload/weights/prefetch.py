@@ -26,8 +26,12 @@ dropped, and the prediction restarts from that layer. Prediction decides only wh
 when, never which bytes a layer computes with: a fill is used only by the layer it holds, and a
 held slot is one no fill has written since that layer's forward left it unchanged.
 
-Every method runs on the thread calling the model (or running a recompute or a backward through
-it), one at a time; the ring's reads complete on the engine's threads.
+Every method runs on the thread holding the model's turn (:mod:`gds_offload.weights.turn`: the
+one calling the model, or running a recompute or a backward through it), with stop signals held
+(:mod:`gds_offload.weights.interrupts`); the ring's reads complete on the engine's threads. A wait
+(for a fill in :meth:`Prefetch.drain`, or the caller's for :meth:`Prefetch.next_fill`'s) may raise
+an interrupt; state changes only after a wait has returned, so every fill is, at any exception,
+either in line with its read, or freed after it finished.
 """
 from __future__ import annotations
 
@@ -61,11 +65,13 @@ class Prefetch:
         self._direction = 1
         self._turns = False  # the pass in progress is followed by one going the other way
 
-    def take(self, pos: int, *, direction: int, turns: bool) -> Fill:
+    def next_fill(self, pos: int, *, direction: int, turns: bool) -> Fill:
         """Layer ``pos`` starts a forward going ``direction`` (``1`` up, ``-1`` down), in a pass
-        that ``turns`` (is followed by one the other way): its fill, which becomes :attr:`current`.
-        The caller waits for it (unless it is ``held``) and calls :meth:`put_back` after the forward."""
-        assert self.current is None, "a layer taken while another is current"
+        that ``turns`` (is followed by one the other way): its fill, left first in line. The
+        caller waits for it (unless it is ``held``), then calls :meth:`take` (or :meth:`discard`
+        if the read failed). On a miss this waits for the fills in flight first; an exception
+        there (Ctrl-C) leaves every fill either waited for and freed, or as it was."""
+        assert self.current is None, "a layer's fill asked for while another layer is current"
         self._direction, self._turns = direction, turns
         if not (self._inflight and self._inflight[0].pos == pos):
             if self._inflight:
@@ -74,15 +80,22 @@ class Prefetch:
                 self.drain()
             self._next = pos
             self.fill()
-        fill = self._inflight.popleft()
-        self.current = (pos, fill.slot)
+        assert self._inflight and self._inflight[0].pos == pos, f"no fill for layer {pos}: a ring slot was lost"
+        return self._inflight[0]
+
+    def take(self, fill: Fill) -> None:
+        """``fill`` (from :meth:`next_fill`, finished) is the current layer's: it becomes :attr:`current`."""
+        assert self._inflight and self._inflight[0] is fill, "take() of a fill that is not first in line"
+        self._inflight.popleft()
+        self.current = (fill.pos, fill.slot)
         if fill.held:
             self._stats.reused += 1
-        return fill
 
-    def abandon(self, fill: Fill) -> None:
-        """The layer of :meth:`take` will not run (waiting for its fill raised): free its slot."""
-        self.current = None
+    def discard(self, fill: Fill) -> None:
+        """``fill`` (first in line) finished with an error: free its slot, so the next forward
+        of its layer reads it again. A fill whose read is still running must not be discarded."""
+        assert self._inflight and self._inflight[0] is fill, "discard() of a fill that is not first in line"
+        self._inflight.popleft()
         self._holds[fill.slot] = None
         self._free.append(fill.slot)
 
@@ -92,8 +105,8 @@ class Prefetch:
         else free it; at the end of a turning pass, turn; then fill the free slots."""
         assert self.current is not None, "put_back without a current layer"
         pos, slot = self.current
-        self.current = None
         self._ring.release(slot)
+        self.current = None
         self._holds[slot] = pos if intact else None
         n = len(self._groups)
         if intact and self._turns and not 0 <= self._next < n:
@@ -119,13 +132,24 @@ class Prefetch:
             self._next = pos + self._direction
 
     def drain(self) -> None:
-        """Wait for every read in flight (reads cannot be cancelled) and free every slot but the current one's."""
+        """Wait for every read in flight (reads cannot be cancelled) and free every slot but the
+        current one's. Each fill is freed only after its wait returned: an exception in a wait
+        (Ctrl-C) leaves that fill and the ones after it in line, as they were."""
         while self._inflight:
-            f = self._inflight.popleft()
+            f = self._inflight[0]
             if not f.held:
                 self._ring.drop(f)
+            self._inflight.popleft()
+            if not f.held:
                 self._holds[f.slot] = None  # the read may have failed
             self._free.append(f.slot)
+
+    def restart(self) -> None:
+        """Drop the prediction: wait for the fills in flight, then fill the slots with the first
+        layers, for a forward (e.g. after the engine was replaced)."""
+        self.drain()
+        self._direction, self._next, self._turns = 1, 0, False
+        self.fill()
 
     def copy_held(self, pos: int) -> torch.Tensor | None:
         """Backward needs layer ``pos``'s bytes again: a copy of them (:meth:`Ring.copy
@@ -136,8 +160,8 @@ class Prefetch:
         held = next((f for f in self._inflight if f.held and f.pos == pos), None)
         if held is None:
             return None
+        buf = self._ring.copy(self._groups[pos], held.slot)  # first: if it raises (no memory), nothing changed
         self._inflight.remove(held)
-        buf = self._ring.copy(self._groups[pos], held.slot)
         self._free.append(held.slot)
         if not self._inflight:
             self._direction, self._next, self._turns = 1, 0, False
@@ -157,12 +181,14 @@ class Prefetch:
             slot = self._holds.index(pos)
             self._free.remove(slot)
             return Fill(pos, slot, held=True)
-        slot = self._free.pop()
-        self._holds[slot] = None  # being written
+        slot = self._free[-1]
         g = self._groups[pos]
+        fill = self._ring.start(g, pos, slot)  # first: if it raises, the slot is still free and unchanged
+        self._free.pop()
+        self._holds[slot] = None  # being written
         self._stats.reads[pos] += 1
         self._stats.bytes_read += g.nbytes
-        return self._ring.start(g, pos, slot)
+        return fill
 
     def _turn(self) -> None:
         """The end of a turning pass: the next goes the other way, from the layers held in the slots."""

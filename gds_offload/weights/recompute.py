@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from gds_offload.weights.interrupts import held
+
 __all__ = ["Recompute"]
 
 
@@ -59,9 +61,10 @@ class Recompute:
         self._wrapped.clear()
 
     def _run(self, pos: int, module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not self._bind(pos, module):
-            return fn(*args, **kwargs)
-        try:
-            return fn(*args, **kwargs)
-        finally:  # also for the checkpoint's own early stop, an exception raised through fn
-            self._release(pos, module)
+        with held():  # a stop signal during the recompute arrives after the layer is released
+            if not self._bind(pos, module):
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:  # also for the checkpoint's own early stop, an exception raised through fn
+                self._release(pos, module)

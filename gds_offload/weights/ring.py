@@ -41,6 +41,7 @@ from gds_offload.io.kvikio_engine import KvikIOEngine
 from gds_offload.io.posix import PosixEngine
 from gds_offload.io.select import choose_engine
 from gds_offload.weights.errors import StoreCorruptError
+from gds_offload.weights.interrupts import wait_done
 from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group
 
@@ -87,6 +88,10 @@ class Ring:
     def drop(self, fill: Fill) -> None:
         """A fill no layer will use: wait until it no longer writes its slot (errors ignored)."""
 
+    def failed(self, fill: Fill) -> bool:
+        """``fill`` has finished, with an error (its slot is no longer written, and holds nothing usable)."""
+        return False
+
     def settle(self, fill: Fill) -> None:
         """Block the calling thread until ``fill`` has finished (successfully or not); it stays
         usable, and :meth:`wait` still reports its error."""
@@ -121,7 +126,9 @@ class Ring:
 
 
 def wait_read(group: GroupEntry, future: IOFuture) -> None:
-    """Block on a read of ``group``; an I/O error is re-raised naming the layer."""
+    """Block on a read of ``group`` (delivering held stop signals meanwhile,
+    :func:`~gds_offload.weights.interrupts.wait_done`); an I/O error is re-raised naming the layer."""
+    wait_done(future)
     try:
         future.wait()
     except StoreCorruptError:
@@ -148,11 +155,14 @@ class HostRing(Ring):
 
     def drop(self, fill: Fill) -> None:
         if fill.future is not None:
-            fill.future.error()  # waits; the error of a read nobody uses does not matter
+            wait_done(fill.future)  # the error of a read nobody uses does not matter
+
+    def failed(self, fill: Fill) -> bool:
+        return fill.future is not None and fill.future.failed()
 
     def settle(self, fill: Fill) -> None:
         if fill.future is not None:
-            fill.future.error()  # waits; wait() raises the error later, where the layer needs it
+            wait_done(fill.future)  # wait() raises the error later, where the layer needs it
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
         return self._fetch_into(group, self._new_buffer(group.padded_nbytes), None)

@@ -45,9 +45,15 @@ Face gradient checkpointing recomputes a layer without its module hooks: the lay
 checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.recompute`).
 
 .. warning:: One forward at a time; streamed parameters are frozen
-   The hooks keep one prediction of the next layer, so two threads running the model at
-   once are not supported. A streamed layer's parameters are meta tensors outside its
-   forward, and ``requires_grad=False`` during it: they are never trained.
+   The hooks keep one prediction of the next layer, so one forward runs at a time: a second
+   thread calling the model meanwhile gets :class:`OffloadError` at once
+   (:mod:`gds_offload.weights.turn`). A streamed layer's parameters are meta tensors outside
+   its forward, and ``requires_grad=False`` during it: they are never trained.
+
+Interruptions: the hooks and the pass through the decoder hold stop signals
+(:mod:`gds_offload.weights.interrupts`) and deliver them where the ring is consistent; a
+read that fails frees its slot only once it has finished; a forward that ends in any
+exception (``KeyboardInterrupt`` too) leaves no layer bound. The next call is exact.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,22 +71,23 @@ from torch import nn
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
-from gds_offload.io.select import validate_mode
-from gds_offload.units import parse_bytes
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
+from gds_offload.weights.interrupts import deliver, held
+from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
+from gds_offload.weights.options import StreamOptions, Tier
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
-from gds_offload.weights.ring import Ring, make_read_engine, make_ring, wait_read
-from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+from gds_offload.weights.ring import Ring, make_read_engine, make_ring
+from gds_offload.weights.storefile import StoreFiles, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
+from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
 
 __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
 
-Tier = Literal["drive", "host"]
 #: Engine threads for the reads on the CPU (a layer is split into 8 MiB chunks over them).
 #: Half the posix engine's default, since these reads compete with the model for a small
 #: VM's cores. On a GPU the engine's own default applies (KvikIO: 16).
@@ -132,23 +139,9 @@ def load_streamed(
         StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
-    budget = None if max_memory is None else parse_bytes(max_memory, name="max_memory")
-    return StreamedModel(model, store, device=device, tier=tier, slots=slots, resident_layers=resident_layers,
-                         max_memory=budget, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device={device!r} is not a torch device ({exc}); use 'cpu' or 'cuda'") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ConfigError(f"device={dev}: weights stream into host memory ('cpu') or a GPU ('cuda'); {dev.type} is not supported")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device={dev}: needs an NVIDIA GPU, but torch.cuda.is_available() is False; use device='cpu'")
-    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    options = StreamOptions.from_kwargs(device=device, tier=tier, slots=slots, resident_layers=resident_layers,
+                                        max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
+    return StreamedModel(model, store, options)
 
 
 class StreamedModel:
@@ -161,65 +154,61 @@ class StreamedModel:
         self,
         model: nn.Module,
         store: str | os.PathLike[str] | list[str | os.PathLike[str]],
-        *,
-        device: str | torch.device,
-        tier: Tier,
-        slots: int,
-        resident_layers: int | None,
-        max_memory: int | None,
-        verify: bool,
-        engine: str,
-        num_threads: int | None,
+        options: StreamOptions,
     ) -> None:
         # Validate first.
-        dev = _resolve_device(device)
-        validate_mode(engine)
-        if tier not in ("drive", "host"):
-            raise ConfigError(f"tier={tier!r}: expected 'drive' (read layers from the store every forward) or 'host' (keep them in memory)")
-        if slots < 1 or (num_threads is not None and num_threads < 1):
-            raise ConfigError(f"slots={slots}, num_threads={num_threads}: both must be at least 1")
+        o = options
+        dev = o.device
         first = store[0] if isinstance(store, (list, tuple)) else store
+        self._turn = Turn(str(first))
+        self._closed = self._shut = False
         manifest = read_manifest(first)
         layers = manifest.layers
-        plan = plan_residency(manifest.resident, layers, slots=slots, max_memory=max_memory, resident_layers=resident_layers,
-                              hold_all=tier == "host" and dev.type == "cpu")  # fmt: skip
+        plan = plan_residency(manifest.resident, layers, slots=o.slots, max_memory=o.max_memory, resident_layers=o.resident_layers,
+                              hold_all=o.tier == "host" and dev.type == "cpu")  # fmt: skip
         base, adapters = unwrap(model)  # a PeftModel: its transformers model, and the LoRA adapters on it
+        adapters.check_streamed(g.name for g in layers[plan.resident_layers :])
+        claim(base, self, str(first))
+        self._base = base
         check_config(base, manifest, Path(first))
         self.binding: Binding = bind(base, manifest, where=str(first), rename=adapters.store_name)
-        self.model, self.manifest, self.verify, self.device = model, manifest, verify, dev
+        self.model, self.manifest, self.verify, self.device = model, manifest, o.verify, dev
         self._dirs = resolve_dirs(store, manifest)
         # Allocate.
         in_memory = layers[: plan.resident_layers]
         self._streamed: list[GroupEntry] = layers[len(in_memory) :]
+        self._layers = [base.get_submodule(g.name) for g in self._streamed]
         self._files = StoreFiles(self._dirs, manifest)
         self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
         self._finalizer = weakref.finalize(self, _shutdown, self._res)
         self._hooks: list[Any] = []
         self._slot_version = 0
+        self._layer_turn = False  # the current layer took the turn itself (called outside a pass)
         self._recompute = Recompute(self._bind_for_recompute, self._release_after_recompute)
-        self._closed = False
+        self._pass: PassForward | None = None
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
         try:
-            self._loader = PosixEngine(num_threads=num_threads or DEFAULT_THREADS, read_pool_bytes=0)
+            self._loader = PosixEngine(num_threads=o.num_threads or DEFAULT_THREADS, read_pool_bytes=0)
             self._res.append(self._loader)
             reads: Engine = self._loader
-            if self._streamed and tier == "drive" and (dev.type != "cpu" or engine != "auto"):
-                reads = make_read_engine(engine, dev, self._dirs[0], num_threads)
+            if self._streamed and o.tier == "drive" and (dev.type != "cpu" or o.engine != "auto"):
+                reads = make_read_engine(o.engine, dev, self._dirs[0], o.num_threads)
                 self._res.append(reads)
-            resident_nbytes = self._load_resident(([manifest.resident] if manifest.resident else []) + in_memory)
+            resident = ([manifest.resident] if manifest.resident else []) + in_memory
+            resident_nbytes = load_resident(self._loader, self._files, self.binding, resident, dev, verify=o.verify)
             rebuild_meta_buffers(base, dev)
-            _move_free_buffers(base, dev)
+            move_free_buffers(base, dev)
             adapters.materialize(dev)
-            self._ring = make_ring(tier=tier, device=dev, engine=reads, files=self._files, groups=self._streamed,
-                                   slots=slots, verify=verify, load=self._read_arena)  # fmt: skip
+            self._ring = make_ring(tier=o.tier, device=dev, engine=reads, files=self._files, groups=self._streamed,
+                                   slots=o.slots, verify=o.verify, load=self._read_arena)  # fmt: skip
             if self._ring is not None:
                 self._res.append(self._ring)
             ring = self._ring.buffers if self._ring else []
             self._views = [[self._slot_views(g, buf) for buf in ring] for g in self._streamed]
             self._stats = StreamStats(
-                tier=tier,
+                tier=o.tier,
                 device=str(dev),
                 ring=self._ring.kind if self._ring else "none",
                 engine=reads.description,
@@ -234,13 +223,14 @@ class StreamedModel:
                 reads=[0] * len(self._streamed),
             )
             # Register.
-            for pos, g in enumerate(self._streamed):
-                layer = base.get_submodule(g.name)
+            for pos, layer in enumerate(self._layers):
                 self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._pre, pos)))
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             if self._ring is not None:
                 self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
-                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._prefetch.copy_held)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held)
+                parent = (manifest.layer_prefix or "").rpartition(".")[0]
+                self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
         except BaseException:
             self.close()
@@ -261,6 +251,11 @@ class StreamedModel:
         copied = list(self._saved.copies) if self._saved else []
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again, "backward_copies": copied}))
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` has been called."""
+        return self._closed
+
     def settle(self) -> None:
         """Block until the fills in flight (the next forward's first layers, prefetched after the
         last layer) have landed. They stay for that forward, which reports any read error; the
@@ -270,24 +265,53 @@ class StreamedModel:
 
     def close(self) -> None:
         """Wait for fills in flight (and, on CUDA, for the device), remove the hooks, close the
-        engines and files. Idempotent. Streamed layers are left with meta parameters; resident
-        tensors stay in the model."""
-        if self._closed:
+        engines and files. Idempotent; waits for a forward running on another thread to end.
+        Streamed layers are left with meta parameters, and calling them raises
+        :class:`OffloadError` saying the model was closed; resident tensors stay in the model."""
+        if self._shut:
             return
-        self._closed = True
-        if self._saved is not None:
-            self._saved.exit()
-            self._saved.close()
-        if self._prefetch is not None:
+        with held(), self._turn.holding(wait=True):
+            self._closed = True  # hooks refuse from here on
+            if self._saved is not None:
+                self._saved.exit()
+                self._saved.close()
+            if self._prefetch is not None:
+                self._prefetch.drain()
+                if self._prefetch.current is not None:
+                    self._unbind(*self._prefetch.current)
+                    self._prefetch.current = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self._pass is not None:
+                self._pass.restore()
+                guard_closed(self._base, self._layers, str(self._dirs[0]))
+            self._recompute.restore()
+            self._finalizer()
+            self._shut = True
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine reading the streamed layers from the store (``None``: nothing is read per forward)."""
+        return getattr(self._ring, "engine", None)
+
+    def use_engine(self, engine: Engine) -> None:
+        """Read the streamed layers through ``engine`` from now on, e.g. a
+        :class:`~gds_offload.io.faults.FaultyEngine` wrapping :attr:`engine` (which then owns,
+        and closes, the old one). Waits for the fills in flight and for a forward on another thread.
+
+        Raises:
+            ConfigError: nothing is read per forward here (``tier="host"``, or no streamed layer).
+        """
+        old = self.engine
+        if old is None or self._prefetch is None:
+            raise ConfigError("this StreamedModel reads nothing per forward (tier='host', or every layer resident): no engine to replace")
+        with held(), self._turn.holding(wait=True):
             self._prefetch.drain()
-            if self._prefetch.current is not None:
-                self._unbind(*self._prefetch.current)
-                self._prefetch.current = None
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._recompute.restore()
-        self._finalizer()
+            self._ring.engine = engine  # type: ignore[union-attr]
+            self._res[self._res.index(old)] = engine
+            self._stats.engine = engine.description
+            self._prefetch.restart()  # the next forward's first layers, through the new engine
 
     def __enter__(self) -> StreamedModel:
         return self
@@ -297,68 +321,75 @@ class StreamedModel:
 
     # -- loading --------------------------------------------------------------------------
     def _read_arena(self, groups: list[GroupEntry]) -> tuple[torch.Tensor, dict[str, int]]:
-        """Read ``groups`` into one page-aligned host arena: ``(arena, offset of each group in it)``."""
-        bases, total = {}, 0
-        for g in groups:
-            bases[g.name] = total
-            total += g.padded_nbytes
-        arena = aligned_host_buffer(total)
-        futures = [read_group(self._loader, self._files, g, arena[bases[g.name] :], verify=self.verify) for g in groups]
-        for g, f in zip(groups, futures):
-            wait_read(g, f)
-        return arena, bases
-
-    def _load_resident(self, groups: list[GroupEntry]) -> int:
-        """Read ``groups``, put them on the device and bind their tensors there; returns the bytes."""
-        if not groups:
-            return 0
-        arena, bases = self._read_arena(groups)
-        if self.device.type != "cpu":
-            arena = arena.to(self.device)
-        for g in groups:
-            for name in self.binding.by_group.get(g.name, []):
-                buf = arena[bases[g.name] :]
-                self.binding.place(name, self.binding.as_parameter(name, view_of(buf, self.binding.entries[name], g.offset)))
-        return arena.numel()
+        return read_arena(self._loader, self._files, groups, verify=self.verify)
 
     def _slot_views(self, g: GroupEntry, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         # Made once, at load (outside any inference_mode), and reused every forward.
         return [(n, self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
 
     # -- hooks ----------------------------------------------------------------------------
+    # Each runs with stop signals held (interrupts.held) and delivers them only where the ring is
+    # consistent: its first line, and the waits for reads (which change nothing until they return).
+    def _run_pass(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The decoder's forward (:class:`~gds_offload.weights.turn.PassForward`): one pass at a
+        time; however it ends (``KeyboardInterrupt`` too), no layer is left bound."""
+        with held():
+            self._turn.enter(wait=False)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._end_layer()
+                self._turn.exit()
+
     def _pre(self, pos: int, module: nn.Module, args: Any, *, recompute: bool = False) -> None:
-        if self._closed:
-            raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
+        with held():
+            deliver()
+            if self._closed:
+                raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
+            if not self._turn.owned():  # a layer called on its own, or a recompute on backward's thread
+                self._turn.enter(wait=recompute)
+                self._layer_turn = True
+            try:
+                self._bind(pos, module, recompute=recompute)
+            except BaseException as exc:
+                # torch runs the post-hook after an Exception only, and it frees nothing unless a layer is bound.
+                if not isinstance(exc, Exception) or self._prefetch is None or self._prefetch.current is None:
+                    self._end_layer()
+                raise
+
+    def _bind(self, pos: int, module: nn.Module, *, recompute: bool) -> None:
+        """The pre-hook's work, on the thread holding the turn: wait for layer ``pos``'s fill and bind it."""
         assert self._prefetch is not None and self._ring is not None and self._saved is not None, "a streamed layer without a ring"
-        if self._prefetch.current is not None:  # the previous layer's forward raised: its post-hook never ran
-            self._release()
+        self._end_layer(keep_turn=True)  # the previous layer's forward raised: its post-hook never ran
         checkpointed = not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False)
         if checkpointed:
             self._recompute.wrap(pos, module)  # backward will run this layer's forward without our hooks
         # Recomputes go down the layers, as backward does; a recompute, and a forward with grad mode
         # on (its backward, or a checkpointed forward's recompute), are each followed by a pass the other way.
-        p = self._prefetch.take(pos, direction=-1 if recompute else 1, turns=recompute or torch.is_grad_enabled())
-        if not p.held:
+        fill = self._prefetch.next_fill(pos, direction=-1 if recompute else 1, turns=recompute or torch.is_grad_enabled())
+        if not fill.held:
+            start = time.perf_counter()
             try:
-                start = time.perf_counter()
-                self._ring.wait(self._streamed[pos], p)
-                self._stats.stall_s += time.perf_counter() - start
+                self._ring.wait(self._streamed[pos], fill)
             except BaseException:
-                self._prefetch.abandon(p)
+                if self._ring.failed(fill):  # read again next time; a read still running keeps its slot
+                    self._prefetch.discard(fill)
                 raise
-        for name, tensor in self._views[pos][p.slot]:
+            self._stats.stall_s += time.perf_counter() - start
+        self._prefetch.take(fill)
+        for name, tensor in self._views[pos][fill.slot]:
             self.binding.place(name, tensor)
-        self._slot_version = self._ring.buffers[p.slot]._version  # shared by every view of the slot
+        self._slot_version = self._ring.buffers[fill.slot]._version  # shared by every view of the slot
         self._stats.loads[pos] += 1
         if pos == 0:
             self._saved.clear()  # a new forward: the last backward's layers are done with
         if torch.is_grad_enabled():
-            self._saved.enter(pos, p.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
+            self._saved.enter(pos, fill.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
 
     def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
         assert self._prefetch is not None, "a recompute without a ring"
         current = self._prefetch.current
-        if current is not None and current[0] == pos:
+        if self._turn.owned() and current is not None and current[0] == pos:
             return False  # the original forward: the pre-hook bound it
         self._pre(pos, module, (), recompute=True)
         return True
@@ -367,12 +398,14 @@ class StreamedModel:
         self._post(pos, module, (), None)
 
     def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
-        # Also runs when the forward raised (always_call): output is None then.
-        assert self._prefetch is not None, "a streamed layer without a ring"
-        current = self._prefetch.current
-        if current is None or current[0] != pos:
-            return
-        changed = not self._release()
+        # Also runs when the forward raised an Exception (always_call): output is None then.
+        with held():
+            assert self._prefetch is not None, "a streamed layer without a ring"
+            current = self._prefetch.current
+            if not self._turn.owned() or current is None or current[0] != pos:
+                return  # not this thread's layer (its pre-hook was refused), or already released
+            changed = not self._release()
+            self._end_layer()
         if changed and output is not None:
             # The resident model would keep the change; the next read of this layer would not.
             raise OffloadError(
@@ -380,6 +413,17 @@ class StreamedModel:
                 f"(e.g. BatchNorm running statistics in train mode); streamed weights are read-only. Put that module in "
                 f"eval mode, or keep the layer resident (resident_layers= or max_memory=)"
             )
+
+    def _end_layer(self, *, keep_turn: bool = False) -> None:
+        """Take out a layer still bound (its post-hook did not run), and give back the turn a layer
+        called on its own took (unless ``keep_turn``: the next layer's pre-hook holds it now)."""
+        if self._prefetch is not None and self._prefetch.current is not None:
+            self._release()
+        if self._saved is not None:
+            self._saved.exit()
+        if self._layer_turn and not keep_turn:
+            self._layer_turn = False
+            self._turn.exit()
 
     def _release(self) -> bool:
         """Take the current layer's weights out and hand its slot back; ``False`` if its forward
@@ -397,15 +441,18 @@ class StreamedModel:
         for name, _ in self._views[pos][slot]:
             self.binding.restore(name)
 
+    def _copy_held(self, pos: int) -> torch.Tensor | None:
+        """For backward (any thread): layer ``pos`` copied out of the slot still holding it, or ``None``."""
+        assert self._prefetch is not None, "a backward copy without a ring"
+        with held():
+            if not self._turn.try_enter():
+                return None  # another thread's forward has the ring: read the layer from the store
+            try:
+                return self._prefetch.copy_held(pos)
+            finally:
+                self._turn.exit()
+
 
 def _shutdown(resources: list[Any]) -> None:
     for r in reversed(resources):  # ring (waits for the device), engines, then the files
         r.close()
-
-
-def _move_free_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (not in any store: rotary ``inv_freq``) left on another device go to ``device``."""
-    for mod in model.modules():
-        for leaf, b in mod._buffers.items():
-            if b is not None and not b.is_meta and b.device != device and leaf in mod._non_persistent_buffers_set:
-                mod._buffers[leaf] = b.to(device)
