@@ -24,12 +24,12 @@ from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.units import parse_bytes  # noqa: E402
 from gds_offload.weights import (  # noqa: E402
     ConfigMismatchError,
-    as_reference,
     Manifest,
     StoreCorruptError,
     StoreFormatError,
     StoreSpaceError,
     WeightsMismatchError,
+    as_reference,
     convert,
     load_streamed,
     read_manifest,

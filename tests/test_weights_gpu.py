@@ -29,7 +29,7 @@ from conftest import real_disk_base, requires_cuda  # noqa: E402
 from test_weights import VOCAB, _config, _resident, _save, _skeleton  # noqa: E402
 
 from gds_offload.io.kvikio_engine import kvikio_status  # noqa: E402
-from gds_offload.weights import convert, load_streamed  # noqa: E402
+from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -89,12 +89,13 @@ def test_cuda_logits_equal_resident(ckpt_store: tuple[Path, Path], ids: torch.Te
 @pytest.mark.parametrize("tier", ["drive", "host"])
 def test_cuda_generate_matches_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     ckpt, store = ckpt_store
-    kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False)
-    want = _resident(ckpt).cuda().generate(ids, **kw)
+    kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    want = as_reference(_resident(ckpt).cuda()).generate(ids, **kw)
     with load_streamed(_skeleton(store), store, device="cuda", tier=tier, resident_layers=1) as h:
         got = h.generate(ids, **kw)
         assert h.stats().misses == 0
-    assert torch.equal(got, want) and got.shape[1] == ids.shape[1] + 6
+    assert torch.equal(got.sequences, want.sequences) and got.sequences.shape[1] == ids.shape[1] + 6
+    assert all(torch.equal(g, w) for g, w in zip(got.scores, want.scores, strict=True)), "every step's scores"
 
 
 @pytest.mark.parametrize("tier", ["drive", "host"])

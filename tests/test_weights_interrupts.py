@@ -154,26 +154,26 @@ def _sigint_at(n: int, call: Callable[[], Any]) -> int:
     return count[0]
 
 
-@pytest.mark.parametrize(
-    "workload, slots, stride",
-    [
-        ("forward", 1, 1),
-        ("forward", 2, 1),
-        ("generate", 2, 5),
-        ("generate", 3, 7),
-        ("train", 1, 3),
-        ("train", 2, 5),
-        ("checkpointed", 1, 5),
-        ("checkpointed", 2, 7),
-    ],
-)
-def test_ctrl_c_at_any_line_leaves_the_next_call_exact(ckpt_store: tuple[Path, Path], workload: str, slots: int, stride: int) -> None:
+_SWEEPS = [
+    ("forward", 1, 1, "posix"),
+    ("forward", 2, 1, "posix"),
+    ("generate", 2, 5, "posix"),
+    ("generate", 3, 7, "posix"),
+    ("train", 1, 3, "posix"),
+    ("train", 2, 5, "posix"),
+    ("checkpointed", 1, 5, "posix"),
+    ("checkpointed", 2, 7, "posix"),
+] + [(w, 2, 4, "compat") for w in ("forward", "train", "checkpointed") if "compat" in ENGINES]
+
+
+@pytest.mark.parametrize("workload, slots, stride, engine", _SWEEPS)
+def test_ctrl_c_at_any_line_leaves_the_next_call_exact(ckpt_store: tuple[Path, Path], workload: str, slots: int, stride: int, engine: str) -> None:
     """SIGINT at line event 1, 1 + stride, ... of every event the call reaches (a stride > 1 keeps
     the slow workloads' sweeps short); after each, the next call equals the resident model."""
     ckpt, store = ckpt_store
     want = _reference(ckpt, workload)
     run = WORKLOADS[workload]
-    with load_streamed(_skeleton(store), store, slots=slots) as lm:
+    with load_streamed(_skeleton(store), store, slots=slots, engine=engine) as lm:
         model = _prepare(lm.model, workload)
         total = _sigint_at(10**9, lambda: run(model))
         assert total > 100, "the call runs the weight half's code"
@@ -250,13 +250,14 @@ def _until_blocked(thread: threading.Thread) -> None:
         threading.Event().wait(0.001)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("where", ["pre-hook", "post-hook", "layer"])
-def test_an_exception_in_a_layer_or_its_hooks_leaves_the_next_call_exact(ckpt_store: tuple[Path, Path], where: str) -> None:
+def test_an_exception_in_a_layer_or_its_hooks_leaves_the_next_call_exact(ckpt_store: tuple[Path, Path], where: str, engine: str) -> None:
     """A user's hook that raises before our pre-hook's binding is used, one before our post-hook
     (it then runs from torch's ``always_call`` path), or the layer's own forward raising."""
     ckpt, store = ckpt_store
     want = _reference(ckpt, "train")
-    with load_streamed(_skeleton(store), store, slots=1) as lm:
+    with load_streamed(_skeleton(store), store, slots=1, engine=engine) as lm:
         model = _prepare(lm.model, "train")
         layer = model.model.layers[1]
 
