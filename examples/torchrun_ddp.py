@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gds_offload
-from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
-from gds_offload.ranks import rank_env
+from gds_offload.activations.spill.ranks import rank_env
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.units import format_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

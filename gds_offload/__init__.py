@@ -19,26 +19,26 @@ from typing import TYPE_CHECKING, Any
 from gds_offload._version import __version__
 
 if TYPE_CHECKING:
-    from gds_offload.config import OffloadConfig
+    from gds_offload.activations.attach import attach, offloader_of
+    from gds_offload.activations.config import OffloadConfig
+    from gds_offload.activations.offloader import Offloader
+    from gds_offload.activations.planning.policy import Budget, BudgetError, Plan
+    from gds_offload.activations.spill.ranks import PerRank, per_rank
+    from gds_offload.activations.stats import LayerStats, OffloadStats
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
-    from gds_offload.hooks import Offloader
-    from gds_offload.offloader import attach, offloader_of
-    from gds_offload.policy import Budget, BudgetError, Plan
-    from gds_offload.ranks import PerRank, per_rank
-    from gds_offload.stats import LayerStats, OffloadStats
 
 _EXPORTS = {
-    "attach": "gds_offload.offloader",
-    "Offloader": "gds_offload.hooks",
-    "offloader_of": "gds_offload.offloader",
-    "OffloadConfig": "gds_offload.config",
-    "Budget": "gds_offload.policy",
-    "BudgetError": "gds_offload.policy",
-    "Plan": "gds_offload.policy",
-    "per_rank": "gds_offload.ranks",
-    "PerRank": "gds_offload.ranks",
-    "OffloadStats": "gds_offload.stats",
-    "LayerStats": "gds_offload.stats",
+    "attach": "gds_offload.activations.attach",
+    "Offloader": "gds_offload.activations.offloader",
+    "offloader_of": "gds_offload.activations.attach",
+    "OffloadConfig": "gds_offload.activations.config",
+    "Budget": "gds_offload.activations.planning.policy",
+    "BudgetError": "gds_offload.activations.planning.policy",
+    "Plan": "gds_offload.activations.planning.policy",
+    "per_rank": "gds_offload.activations.spill.ranks",
+    "PerRank": "gds_offload.activations.spill.ranks",
+    "OffloadStats": "gds_offload.activations.stats",
+    "LayerStats": "gds_offload.activations.stats",
     "OffloadError": "gds_offload.errors",
     "ConfigError": "gds_offload.errors",
     "GDSUnavailableError": "gds_offload.errors",

@@ -4,7 +4,7 @@ Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit code), and imports heavy packages inside ``run``.
 
 Stopping: Ctrl-C (``SIGINT``), ``SIGTERM`` and ``SIGHUP`` stop the command and the child
-processes it runs (:mod:`gds_offload.bench.children`); it prints one line and exits with
+processes it runs (:mod:`gds_offload.bench.procs`); it prints one line and exits with
 128 + the signal number (130 for Ctrl-C).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from gds_offload.bench.children import Terminated, stop_signals
+    from gds_offload.bench.procs import Terminated, stop_signals
 
     try:
         with stop_signals():

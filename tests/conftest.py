@@ -40,7 +40,7 @@ def schema_violations(doc: object) -> list[str]:
 
 def fstype(path: Path) -> str:
     """The filesystem type of the mount holding ``path`` (from /proc/mounts)."""
-    from gds_offload.spill_dir import mount_of
+    from gds_offload.io.directory import mount_of
 
     return mount_of(path)[2]
 
@@ -111,7 +111,7 @@ def engine_modes(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def engine_and_store(engine_modes: str, spill_dir: Path):  # noqa: ANN201
     """``(engine, store)`` for the current engine; both closed afterwards."""
-    from gds_offload.store import SpillStore
+    from gds_offload.activations.spill.store import SpillStore
 
     engine = make_engine(engine_modes)  # type: ignore[arg-type]
     store = SpillStore([spill_dir] if engine.needs_files else [])

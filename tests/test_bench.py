@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gds_offload.bench.child import exact_in_process, run_here
-from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.bench.machine import describe_machine
-from gds_offload.bench.runner import run_mode
-from gds_offload.bench.spec import RunResult, RunSpec, compare_losses, expand_modes, parse_mode
+from gds_offload.bench.train.child import exact_in_process, run_here
+from gds_offload.bench.train.runner import run_mode
+from gds_offload.bench.train.spec import RunResult, RunSpec, compare_losses, expand_modes, parse_mode
 from gds_offload.cli import main
 from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(layers=2, hidden=64, heads=2, seq=64, vocab=256, batch=2, steps=2, warmup=1, min_bytes=0, dropout=0.1)
@@ -79,7 +79,7 @@ def test_memory_peak_counts_from_before_the_first_step() -> None:
     """What the first step allocates and keeps (as an engine keeps buffers for reuse) is in the
     peak, as it is in the process's highest point: the baseline is taken before the first step,
     with the model and AdamW state built, not after the warm-up."""
-    from gds_offload.bench.workload import Workload, build_workload
+    from gds_offload.bench.train.workload import Workload, build_workload
 
     held: list[torch.Tensor] = []
 
@@ -101,7 +101,7 @@ def test_memory_peak_counts_from_before_the_first_step() -> None:
 def test_adamw_with_its_state_built_trains_bit_identically() -> None:
     """The bench builds AdamW's state before the baseline (it is not activation memory); every
     loss, weight and moment is the same as with the state created by the first step."""
-    from gds_offload.bench.memory import adamw_with_state
+    from gds_offload.bench.train.memory import adamw_with_state
 
     cfg = GPTConfig(2, 64, 2, 32, 256, 0.1)
 
@@ -125,7 +125,7 @@ def test_adamw_with_its_state_built_trains_bit_identically() -> None:
 
 
 def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:
-    from gds_offload.bench.spec import Unavailable
+    from gds_offload.bench.train.spec import Unavailable
 
     try:
         got = run_here(RunSpec("adaptive", path=str(tmp_path), **TINY), emit=_quiet)
@@ -136,7 +136,7 @@ def test_adaptive_runs_or_is_unavailable(tmp_path) -> None:
 
 
 def test_save_on_cpu_needs_cuda() -> None:
-    from gds_offload.bench.spec import Unavailable
+    from gds_offload.bench.train.spec import Unavailable
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: save_on_cpu runs there")
@@ -170,7 +170,7 @@ def factory_pair(spec):
 
 
 def factory_triple(spec):
-    from gds_offload.bench.gpt import lm_loss
+    from gds_offload.models.gpt import lm_loss
 
     cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)
     return make_gpt(cfg, seed=spec.seed), lambda step: synthetic_batch(cfg, spec.batch, seed=step), lm_loss
@@ -208,7 +208,7 @@ def test_compare_losses_flags_a_difference() -> None:
 def assert_exact(summary: dict) -> None:
     """Every offload mode's losses and weights equal keep's: across processes, or, where torch's
     kernels gave other last bits in another process (it happens with or without the offloader,
-    see gds_offload/bench/runner.py's module doc), in the bench's own check in one process."""
+    see gds_offload/bench/train/runner.py's module doc), in the bench's own check in one process."""
     from gds_offload.commands.bench import unexplained_differences
 
     assert unexplained_differences(summary) == [], summary
@@ -311,7 +311,7 @@ def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch
     # An offloader that changes saved bytes must be caught: corrupt every read (fault injection).
     # Each write lands before write() returns, so backward reads every tensor back (a write still
     # in flight would serve its tensor from memory, and a slow drive would hide the corruption).
-    import gds_offload.hooks as hooks_mod
+    import gds_offload.activations.offloader as hooks_mod
     from gds_offload.io.faults import Fault, FaultyEngine
 
     class Settled(FaultyEngine):
@@ -330,8 +330,8 @@ def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch
 def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
     """A loss difference between processes (kernels, not the offloader) is re-checked in one
     process; the demo passes only if that check is exact."""
-    import gds_offload.bench.child as child
-    import gds_offload.bench.spec as bench_spec
+    import gds_offload.bench.train.child as child
+    import gds_offload.bench.train.spec as bench_spec
 
     monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
     rc = main(["demo", *TINY_ARGS, "--mode", "posix", "--path", str(tmp_path)])
@@ -345,8 +345,8 @@ def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, mo
 def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
     """bench, like demo: an offload mode whose losses differ from keep's process is re-checked in
     one process; the run fails only if that check fails (or the mode cannot be checked)."""
-    import gds_offload.bench.child as child
-    import gds_offload.bench.spec as bench_spec
+    import gds_offload.bench.train.child as child
+    import gds_offload.bench.train.spec as bench_spec
     from gds_offload.commands.bench import unexplained_differences
 
     monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
@@ -377,7 +377,7 @@ def test_io_hidden_fraction() -> None:
 # ---------------------------------------------------------------------- plot, machine
 def test_plot_from_dicts(tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is not installed")
-    from gds_offload.bench.plot import plot_results
+    from gds_offload.bench.docs.plot import plot_results
 
     rows = [
         {"mode": "keep", "status": "ok", "median_step_s": 1.0, "peak_activation_bytes": 2 << 30},

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from conftest import requires_root
 
+from gds_offload.bench.cgroup import CGROUP_V1_MEMORY, cap_available
 from gds_offload.cli import main
-from gds_offload.weights.cgroup import CGROUP_V1_MEMORY, cap_available
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,10 +45,11 @@ class _Started(Exception):
 def no_work(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Any weight benchmark, child run, sweep or engine measurement fails the test; the spec a
     weight benchmark would have run with is not recorded (it never gets that far)."""
-    import gds_offload.weights.bench as weights_bench
-    import gds_offload.weights.cgroup as cgroup
-    import gds_offload.weights.finetune_bench as finetune_bench
-    from gds_offload.bench import io_bench, rok, runner
+    import gds_offload.bench.cgroup as cgroup
+    import gds_offload.bench.weights.bench as weights_bench
+    import gds_offload.bench.weights.finetune as finetune_bench
+    from gds_offload.bench import io as io_bench
+    from gds_offload.bench.train import rok, runner
 
     def started(*_a: object, **_kw: object) -> None:
         raise _Started("work started before the arguments were checked")
@@ -62,8 +63,8 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The weight benchmarks record the spec they would run with, and run nothing."""
-    import gds_offload.weights.bench as weights_bench
-    import gds_offload.weights.finetune_bench as finetune_bench
+    import gds_offload.bench.weights.bench as weights_bench
+    import gds_offload.bench.weights.finetune as finetune_bench
 
     seen: list[Any] = []
 
@@ -152,8 +153,8 @@ def test_memory_limit_refused_before_any_child(command: str, limit: str, tmp_pat
 def test_run_rounds_checks_the_cap_before_the_first_child(tmp_path: Path) -> None:
     """The API as the commands: ``run_bench``/``run_finetune_bench`` (through :func:`run_rounds`)
     refuse a cap under 64 MiB before the uncapped resident child runs, not when the first capped one starts."""
+    from gds_offload.bench.weights.bench import run_rounds
     from gds_offload.errors import ConfigError
-    from gds_offload.weights.bench import run_rounds
 
     ran: list[str] = []
     with pytest.raises(ConfigError, match="below 64 MiB"):
@@ -163,8 +164,8 @@ def test_run_rounds_checks_the_cap_before_the_first_child(tmp_path: Path) -> Non
 
 
 def test_memory_cap_refused_where_no_group_can_be_made(tmp_path: Path) -> None:
+    from gds_offload.bench.cgroup import check_limit
     from gds_offload.errors import ConfigError
-    from gds_offload.weights.cgroup import check_limit
 
     with pytest.raises(ConfigError, match="--memory-limit 1GiB: cannot cap memory: no cgroup v1 memory hierarchy"):
         check_limit(1 << 30, root=tmp_path, name="--memory-limit 1GiB")
@@ -244,7 +245,7 @@ def _remove_tree(group: Path) -> None:
 @requires_root
 @needs_cgroup
 def test_memory_cap_is_made_inside_the_callers_own_group() -> None:
-    from gds_offload.weights.cgroup import MemoryCap
+    from gds_offload.bench.cgroup import MemoryCap
 
     cap = MemoryCap(256 << 20)
     try:
@@ -258,7 +259,7 @@ def test_memory_cap_is_made_inside_the_callers_own_group() -> None:
 #: The child a parent group holds: once moved (a line on stdin), it caps a grandchild at 2 GiB.
 _CAPPING_CHILD = """
 import json, os, sys
-from gds_offload.weights.cgroup import run_capped
+from gds_offload.bench.cgroup import run_capped
 sys.stdin.readline()
 run = run_capped([sys.executable, "-c", sys.argv[1]], env=dict(os.environ), memory_limit=2 << 30, timeout_s=300)
 print(json.dumps({"rc": run.returncode, "out": run.out, "limit": run.cap.limit_bytes}), flush=True)
@@ -309,10 +310,10 @@ def test_capped_child_cannot_escape_the_parents_limit() -> None:
 #: A benchmark parent whose capped child, once in its group, reports itself on a FIFO and waits.
 _PARENT = """
 import os, sys
-from gds_offload.weights.cgroup import run_capped
+from gds_offload.bench.cgroup import run_capped
 child = '''
 import os, signal, sys
-from gds_offload.bench.children import die_with_parent
+from gds_offload.bench.procs import die_with_parent
 die_with_parent()
 sys.stdin.readline()
 with open(sys.argv[1], "w") as fifo:
@@ -351,7 +352,7 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
 def test_group_of_a_sigkilled_parent_is_removed_and_said_at_the_next_start(tmp_path: Path) -> None:
     """kill -9 of a benchmark parent leaves its child's memory group; the next capped start
     (:func:`run_rounds`) removes it and says so."""
-    from gds_offload.weights.bench import run_rounds
+    from gds_offload.bench.weights.bench import run_rounds
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -383,7 +384,7 @@ def test_group_of_a_sigkilled_parent_is_removed_and_said_at_the_next_start(tmp_p
 def test_stale_group_removal_spares_live_parents_and_busy_groups() -> None:
     """A group of a live parent is kept; one named after a live pid with another start time is a
     reused pid's, so stale, and removed; a stale group that still holds a process is left, named."""
-    from gds_offload.weights.cgroup import remove_stale_groups
+    from gds_offload.bench.cgroup import remove_stale_groups
 
     own = _group_dir(_memory_line())
     start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])

@@ -19,9 +19,10 @@ import pytest
 from conftest import schema_violations
 
 import gds_offload.bench
-from gds_offload.check import _common, probes
 from gds_offload.check.cli import main as check_main
-from gds_offload.check.probes import (
+from gds_offload.node import probes
+from gds_offload.node import reader as _common
+from gds_offload.node.probes import (
     BlockDevice,
     ContainerProbe,
     CufileConfig,
@@ -363,7 +364,7 @@ def _attach_message(path):
 def test_check_refuses_what_attach_refuses(tmp_path):
     """One truth: a world-writable directory without the sticky bit is unusable for gds-check
     too, with attach()'s own words (not compat for gds-check while attach refuses it)."""
-    from gds_offload.spill_dir import check_dir
+    from gds_offload.io.directory import check_dir
 
     d = tmp_path / "open"
     d.mkdir()
@@ -555,7 +556,7 @@ def test_check_modules_import_neither_torch_nor_kvikio():
         "import sys, types\n"
         f"pkg = types.ModuleType('gds_offload'); pkg.__path__ = [{str(REPO / 'gds_offload')!r}]\n"
         "sys.modules['gds_offload'] = pkg\n"
-        "import gds_offload.check.cli, gds_offload.check.report, gds_offload.check.probes\n"
+        "import gds_offload.check.cli, gds_offload.check.report, gds_offload.node.probes\n"
         "print(sorted(m for m in ('torch', 'kvikio', 'cupy', 'rich') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -621,7 +622,7 @@ def test_cli_table_and_usage_error(tmp_path):
 
 
 def _fake_io_bench(calls):
-    module = types.ModuleType("gds_offload.bench.io_bench")
+    module = types.ModuleType("gds_offload.bench.io")
 
     def measure_engine(mode, path, total_bytes, tensor_bytes):
         calls.append((mode, Path(path), total_bytes, tensor_bytes))
@@ -641,7 +642,7 @@ def _fake_io_bench(calls):
 def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
     calls = []
     fake = _fake_io_bench(calls)
-    monkeypatch.setitem(sys.modules, "gds_offload.bench.io_bench", fake)
+    monkeypatch.setitem(sys.modules, "gds_offload.bench.io", fake)
     # `from gds_offload.bench import io_bench` reads the package attribute first (set once any
     # test imported the real module), then sys.modules.
     monkeypatch.setattr(gds_offload.bench, "io_bench", fake, raising=False)
@@ -662,7 +663,7 @@ def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_bandwidth_skips_without_io_bench(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "gds_offload.bench.io_bench", None)  # import fails
+    monkeypatch.setitem(sys.modules, "gds_offload.bench.io", None)  # import fails
     monkeypatch.delattr(gds_offload.bench, "io_bench", raising=False)
     check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)

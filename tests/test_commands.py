@@ -135,14 +135,14 @@ def _stderr_at_exit(proc: subprocess.Popen[str]) -> str:
 
 
 SIGNALLED = {
-    "demo": (["demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix"], "gds_offload.bench.child"),
+    "demo": (["demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix"], "gds_offload.bench.train.child"),
     "bench": (["bench", *TINY_ARGS, "--steps", "100000", "--modes", "keep", "--out", "out.json", "--plot", "out.png"],
-              "gds_offload.bench.child"),
+              "gds_offload.bench.train.child"),
     "rok": (["rok", "--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "256", "--batches", "2",
              "--placements", "keep", "--steps", "100000", "--warmup", "1", "--out", "rok.json", "--plot", "rok.png"],
-            "gds_offload.bench.child"),
+            "gds_offload.bench.train.child"),
     "bench-weights": (["bench-weights", "--tiny", "--modes", "resident", "--repeats", "100000", "--workdir", "{tmp}/wd"],
-                      "gds_offload.weights.bench"),
+                      "gds_offload.bench.weights.bench"),
 }
 
 
@@ -244,8 +244,9 @@ class _WorkStarted(Exception):
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any child run, engine measurement or weight benchmark fails the test: arguments must be refused first."""
-    import gds_offload.weights.bench as weights_bench
-    from gds_offload.bench import io_bench, rok, runner
+    import gds_offload.bench.weights.bench as weights_bench
+    from gds_offload.bench import io as io_bench
+    from gds_offload.bench.train import rok, runner
 
     def started(*_a: object, **_kw: object) -> None:
         raise _WorkStarted("work started before the arguments were checked")
@@ -339,9 +340,9 @@ def test_a_model_that_cannot_fit_is_refused_with_the_estimate(command: str, tmp_
 def test_memory_estimate_matches_a_measured_keep_run() -> None:
     """The estimate the refusal relies on is within a factor of 1.5 of a peak measured in a child
     process (as bench measures it: VmHWM with MALLOC_MMAP_THRESHOLD_ set)."""
-    from gds_offload.bench.gpt import GPTConfig, estimate_memory
-    from gds_offload.bench.runner import run_mode
-    from gds_offload.bench.spec import RunSpec
+    from gds_offload.bench.train.runner import run_mode
+    from gds_offload.bench.train.spec import RunSpec
+    from gds_offload.models.gpt import GPTConfig, estimate_memory
 
     spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=8, steps=2, warmup=1)
     measured = run_mode(spec, timeout_s=300).peak_activation_bytes

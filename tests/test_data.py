@@ -279,9 +279,9 @@ def test_gds_reader_path_reports_its_reader(shards: Path) -> None:
 
 # ---------------------------------------------------------------------- the path check
 def test_input_path_status_reasons(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gds_offload.check import node
-    from gds_offload.check.node import GpuInfo, GpuProbe, LibcufileProbe, NvidiaFsProbe
     from gds_offload.data import check
+    from gds_offload.node import system as node
+    from gds_offload.node.system import GpuInfo, GpuProbe, LibcufileProbe, NvidiaFsProbe
 
     no_gpu = check.input_path_status(shards)
     if not torch.cuda.is_available():
@@ -319,12 +319,12 @@ def test_shards_command_writes_checks_and_refuses(tmp_path: Path, capsys: pytest
 
 @requires_dali
 def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gds_offload.bench.report import Section, render_section
-    from gds_offload.bench.spec import RunResult
-    from gds_offload.data import bench
+    from gds_offload.bench.data import bench
+    from gds_offload.bench.docs.report import Section, render_section
+    from gds_offload.bench.train.spec import RunResult
 
     def fake_demo(s, device, steps, timeout_s):  # the demo model takes minutes on a CPU
-        from gds_offload.bench.spec import RunSpec
+        from gds_offload.bench.train.spec import RunSpec
 
         spec = RunSpec(mode="keep", seq=s.seq, batch=4, steps=steps, data=str(s.directory))
         return spec, RunResult("keep", "ok", tokens_per_s=1000.0, step_seconds=[0.1, 0.1])
@@ -346,10 +346,10 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
 def test_runner_trains_from_shards(shards: Path) -> None:
     from dataclasses import replace
 
-    from gds_offload.bench.child import run_here
-    from gds_offload.bench.spec import RunSpec
-    from gds_offload.bench.workload import build_workload
-    from gds_offload.data.train import StepBatches
+    from gds_offload.bench.data.train import StepBatches
+    from gds_offload.bench.train.child import run_here
+    from gds_offload.bench.train.spec import RunSpec
+    from gds_offload.bench.train.workload import build_workload
 
     spec = RunSpec(mode="keep", layers=1, hidden=32, heads=2, seq=32, vocab=4096, batch=3, steps=2, warmup=1,
                    data=str(shards), measure_memory=False)

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 
+from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.kvikio_engine import kvikio_status
 from gds_offload.io.staging import CudaBackend, SideStreams, Staging, StagingPool, copy_in_chunks, copy_out_chunks
-from gds_offload.store import SpillStore
 
 KVIK_OK, KVIK_WHY = kvikio_status()
 needs_kvikio = pytest.mark.skipif(not KVIK_OK, reason=f"needs KvikIO (and libcuda.so.1 for its host I/O): {KVIK_WHY}")
@@ -524,7 +524,7 @@ def test_only_mode_gds_by_name_is_strict(spill_dir: Path, monkeypatch: pytest.Mo
 
 def test_attach_hands_the_choice_strictness_to_make_engine(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gds_offload
-    from gds_offload import hooks
+    from gds_offload.activations import offloader as hooks
     from gds_offload.io.select import Choice, make_engine
 
     seen: list[bool] = []
@@ -538,7 +538,7 @@ def test_attach_hands_the_choice_strictness_to_make_engine(spill_dir: Path, monk
 
 # ----------------------------------------------------------------------------- which memory a figure is of
 def test_io_bench_labels_cpu_figures_as_host_memory(spill_dir: Path) -> None:
-    from gds_offload.bench.io_bench import measure_engine
+    from gds_offload.bench.io import measure_engine
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: auto measures device memory (tests/test_gpu.py)")
@@ -550,7 +550,7 @@ def test_io_bench_labels_cpu_figures_as_host_memory(spill_dir: Path) -> None:
 
 
 def test_buffer_labels_say_when_gds_is_not_gpudirect() -> None:
-    from gds_offload.bench.io_bench import buffer_label
+    from gds_offload.bench.io import buffer_label
 
     assert buffer_label("gds", "host", False) == "host memory through KvikIO (POSIX, not GPUDirect: no CUDA device)"
     assert buffer_label("gds", "cuda:0", True) == "cuda:0 memory, cuFile direct (GPUDirect)"
@@ -559,7 +559,7 @@ def test_buffer_labels_say_when_gds_is_not_gpudirect() -> None:
 
 
 def test_io_bench_refuses_device_memory_without_a_gpu_before_measuring(spill_dir: Path) -> None:
-    from gds_offload.bench.io_bench import measure_engine, run_bench
+    from gds_offload.bench.io import measure_engine, run_bench
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -570,7 +570,7 @@ def test_io_bench_refuses_device_memory_without_a_gpu_before_measuring(spill_dir
 
 
 def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str]) -> None:
-    from gds_offload.bench.io_bench import IOBenchReport, buffer_label
+    from gds_offload.bench.io import IOBenchReport, buffer_label
     from gds_offload.check.cli import _bandwidth_check, _rate
     from gds_offload.commands.bench_io import render
 

@@ -21,7 +21,7 @@ from conftest import schema_violations
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from gds_offload.check.probes import strip_json_comments
+from gds_offload.node.probes import strip_json_comments
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -1,4 +1,4 @@
-"""The built-in GPT (gds_offload.bench.gpt): shapes, determinism, and exact training under the offloader."""
+"""The built-in GPT (gds_offload.models.gpt): shapes, determinism, and exact training under the offloader."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import gds_offload
-from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.activations.layers import find_layers
 from gds_offload.errors import ConfigError
 from gds_offload.io.host import HostEngine
 from gds_offload.io.kvikio_engine import kvikio_status
-from gds_offload.layers import find_layers
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 TINY = GPTConfig(layers=3, hidden=64, heads=4, seq=32, vocab=128, dropout=0.1)
 ENGINES = ["posix", "host"] + (["compat"] if kvikio_status()[0] else [])
@@ -111,7 +111,7 @@ def test_write_that_completes_at_once_keeps_its_slot(monkeypatch, tmp_path) -> N
     """Regression: a write already done when the scheduler added its done-callback ran the
     callback inside ``pack`` before the handle was counted, so the entry looked released:
     slot freed, source dropped, and backward failed with an AssertionError."""
-    import gds_offload.hooks as hooks_mod
+    import gds_offload.activations.offloader as hooks_mod
 
     monkeypatch.setattr(hooks_mod, "make_engine", lambda *a, **k: _InlineHostEngine())
     ref = _train(make_gpt(TINY))

@@ -55,12 +55,12 @@ from torch import nn
 
 import gds_offload
 from gds_offload import OffloadStats
-from gds_offload.bench.determinism import deterministic_kernels, set_cublas_workspace
-from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.activations.spill.store import SpillStore
+from gds_offload.bench.train.determinism import deterministic_kernels, set_cublas_workspace
 from gds_offload.io import make_engine
 from gds_offload.io.base import Engine
 from gds_offload.io.kvikio_engine import kvikio_status
-from gds_offload.store import SpillStore
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 # cuBLAS reads this when it creates a handle's workspace; deterministic mode refuses cuBLAS
 # calls without it. Set here, at collection, before any test touches CUDA.
@@ -103,7 +103,7 @@ def _gds_missing() -> str | None:
     ok, why = kvikio_status()
     if not ok:
         return f"needs GPUDirect Storage through KvikIO, which is unusable here: {why}"
-    from gds_offload.check.probes import node_verdict
+    from gds_offload.node.probes import node_verdict
 
     verdict = node_verdict(Path(root))
     if verdict.mode != "gds":
@@ -142,7 +142,7 @@ def spill_path() -> Iterator[Path]:
 def deterministic() -> Iterator[None]:
     """Deterministic kernels for one test, so two runs can be compared bit for bit:
     ``use_deterministic_algorithms(True)`` (``warn_only=False``), SDPA's math backend, cuDNN
-    deterministic (:func:`gds_offload.bench.determinism.deterministic_kernels`; its
+    deterministic (:func:`gds_offload.bench.train.determinism.deterministic_kernels`; its
     ``EXCLUDED`` says which kernels are left out of the comparison)."""
     with deterministic_kernels():
         yield
@@ -450,7 +450,7 @@ def test_model_on_another_gpu_than_the_current_one(side: str, spill_path: Path, 
     tensor's device: a copy runs on the current stream of *its* device, so a side stream on
     device 0 neither waits for ``ready`` nor is the stream synchronized before the future is
     done. The scheduler's ``Clock`` must record its events on the model's device."""
-    from gds_offload.profile import Clock
+    from gds_offload.activations.planning.profile import Clock
 
     device = torch.device("cuda", (torch.cuda.current_device() + 1) % torch.cuda.device_count())
     assert Clock(device).mark().device == device, "Clock recorded its event on the current device, not the model's"
@@ -719,7 +719,7 @@ def test_io_bench_measures_device_buffers_on_a_gpu(mode: str, spill_path: Path) 
     """bench-io and gds-check measure device memory when a GPU is present (``memory="auto"``)
     and say so; the bytes read back are checked on the device."""
     _require(mode)
-    from gds_offload.bench.io_bench import measure_engine
+    from gds_offload.bench.io import measure_engine
 
     row = measure_engine(mode, spill_path, 64 << 20, 16 << 20)
     assert row["memory"] == "cuda:0" and row["label"].startswith("cuda:0 memory") and row["verified"], row

@@ -1,6 +1,6 @@
 """Storage engines (``gds_offload.io``): byte-exact round trips, concurrency, stats, retries,
 errors, the bandwidth cap, and engine selection. Every engine that runs here is exercised
-through :func:`gds_offload.io.make_engine` and a real :class:`~gds_offload.store.SpillStore`."""
+through :func:`gds_offload.io.make_engine` and a real :class:`~gds_offload.activations.spill.store.SpillStore`."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import ENGINE_MODES, FILE_ENGINE_MODES, byte_view
 
+from gds_offload.activations.spill.store import ALIGN, Slot, SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError
 from gds_offload.io import choose_engine, make_engine, validate_mode
 from gds_offload.io import posix as posix_mod
 from gds_offload.io import select as select_mod
 from gds_offload.io.kvikio_engine import kvikio_status
 from gds_offload.io.pages import HUGE_PAGE, HostBufferPool, empty_like_head, map_anonymous, span_bytes
-from gds_offload.store import ALIGN, Slot, SpillStore
 from gds_offload.units import parse_bandwidth
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]

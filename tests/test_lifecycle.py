@@ -22,10 +22,10 @@ from models import ENGINES, Result, assert_same, make, offload_everything, settl
 from torch import nn
 
 import gds_offload
+from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import OffloadError
 from gds_offload.io.faults import Fault, inject
 from gds_offload.io.posix import PosixEngine
-from gds_offload.store import SpillStore
 
 
 # ---------------------------------------------------------------------------- refused forwards

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import gds_offload
-from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError
+from gds_offload.activations.planning.profile import StepProfile, UnitProfile, simulate
 from gds_offload.errors import ConfigError
 from gds_offload.io.limits import TokenBucket
 from gds_offload.io.posix import PosixEngine
-from gds_offload.policy import Adaptive, Budget, BudgetError
-from gds_offload.profile import StepProfile, UnitProfile, simulate
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 MiB = 1 << 20
 

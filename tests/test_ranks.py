@@ -1,4 +1,4 @@
-"""Per-rank spill directories (gds_offload/ranks.py) and ``gds-check --ranks``, in one process.
+"""Per-rank spill directories (gds_offload/activations/spill/ranks.py) and ``gds-check --ranks``, in one process.
 
 The launches themselves (torchrun, srun, accelerate, Fabric, DeepSpeed) are in
 ``tests/distributed/``; here the launcher's environment is given explicitly.
@@ -16,11 +16,8 @@ import pytest
 import torch
 
 import gds_offload
-from gds_offload.check.paths import BlockDevice, PathProbe
-from gds_offload.check.topology import GpuTopology
-from gds_offload.errors import ConfigError
-from gds_offload.placement import AutoNode, DriveCandidate
-from gds_offload.ranks import (
+from gds_offload.activations.spill.placement import AutoNode, DriveCandidate
+from gds_offload.activations.spill.ranks import (
     RankEnv,
     auto_placement,
     node_placements,
@@ -30,6 +27,9 @@ from gds_offload.ranks import (
     rank_env,
     rank_path,
 )
+from gds_offload.errors import ConfigError
+from gds_offload.node.paths import BlockDevice, PathProbe
+from gds_offload.node.topology import GpuTopology
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gds_offload.bench.report import load_sections, render_page
+from gds_offload.bench.docs.report import load_sections, render_page
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_each_section_names_command_commit_and_machine(tmp_path: Path) -> None:
 def test_a_result_measured_otherwise_says_how_its_memory_was_measured(tmp_path: Path) -> None:
     """The method names one definition of peak memory; a result file whose runs measured it
     otherwise (an older definition) carries a ``memory`` line saying how."""
-    from gds_offload.bench.memory import CPU_SOURCE
+    from gds_offload.bench.train.memory import CPU_SOURCE
 
     doc = json.loads((REPO / "docs/results/ceiling-100MBps.json").read_text())
     (tmp_path / "now.json").write_text(json.dumps(doc | {"title": "Now", "results": [r | {"memory_source": CPU_SOURCE} for r in doc["results"]]}))
@@ -80,7 +80,7 @@ def test_targets_render_met_missed_and_out_of_reach(tmp_path: Path) -> None:
 def test_readme_headline_is_spliced_between_its_markers(tmp_path: Path) -> None:
     """`gds-offload report` rewrites only the README's headline block, from the same result
     files as the page, and refuses a README without the markers."""
-    from gds_offload.bench.headline import END, START
+    from gds_offload.bench.docs.headline import END, START
 
     results = tmp_path / "results"
     results.mkdir()
@@ -105,7 +105,7 @@ def test_readme_headline_is_spliced_between_its_markers(tmp_path: Path) -> None:
 
 def test_headline_of_each_committed_result() -> None:
     """Every committed result file gives the README a headline line (none is silently dropped)."""
-    from gds_offload.bench.headline import headline
+    from gds_offload.bench.docs.headline import headline
 
     for section in load_sections(REPO / "docs" / "results"):
         assert headline(section.doc), section.path.name
@@ -114,7 +114,7 @@ def test_headline_of_each_committed_result() -> None:
 def test_commit_is_dirty_for_code_changes_not_for_result_files(tmp_path: Path) -> None:
     """A run that rewrites docs/results/ (the previous command's output) still names a clean
     commit; a changed source file marks it +dirty."""
-    from gds_offload.bench.report import current_commit
+    from gds_offload.bench.docs.report import current_commit
 
     def git(*args: str) -> None:
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from gds_offload.bench.rok import RokPoint, frontier, recommend
+from gds_offload.bench.train.rok import RokPoint, frontier, recommend
 from gds_offload.cli import main
 
 MiB = 1 << 20

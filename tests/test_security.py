@@ -129,7 +129,7 @@ def test_named_file_fallback_refuses_a_substituted_file(tmp_path, monkeypatch) -
     """Without O_TMPFILE the spill file is a named file unlinked at once. Another user who
     swaps the name for a file of their own right after it is created must not get our bytes:
     the store never reopens the name, so it cannot write into the substitute."""
-    from gds_offload import store
+    from gds_offload.activations.spill import store
 
     monkeypatch.setattr(store.os, "O_TMPFILE", 0)  # open(dir, O_RDWR) then fails: the fallback runs
     plain = tmp_path / "plain"

@@ -1,4 +1,4 @@
-"""The spill store (``gds_offload.store``): unnamed 0600 files, O_DIRECT and its fallback,
+"""The spill store (``gds_offload.activations.spill.store``): unnamed 0600 files, O_DIRECT and its fallback,
 directory checks, free-space errors, slot reuse, striping, and cleanup when the process dies."""
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 from conftest import FILE_ENGINE_MODES, fstype, requires_root
 
+from gds_offload.activations.spill.store import ALIGN, GROW_BYTES, SpillStore
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io import make_engine
-from gds_offload.spill_dir import prepare_dir
-from gds_offload.store import ALIGN, GROW_BYTES, SpillStore
+from gds_offload.io.directory import prepare_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -277,7 +277,7 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     import torch
     from gds_offload.io import make_engine
-    from gds_offload.store import SpillStore
+    from gds_offload.activations.spill.store import SpillStore
 
     store = SpillStore([Path(sys.argv[1])])
     engine = make_engine("posix")
@@ -348,7 +348,7 @@ def test_killed_process_leaves_no_files_and_frees_the_space(spill_dir: Path) -> 
 def test_mount_of_matches_whole_path_components(mount: Callable[[str, str], Path]) -> None:
     """A directory whose name extends a mount point's (``.../tmpfs-0x`` beside a tmpfs at
     ``.../tmpfs-0``, like ``/mnt/nvme10`` beside ``/mnt/nvme1``) is not on that mount."""
-    from gds_offload.spill_dir import mount_of
+    from gds_offload.io.directory import mount_of
 
     mounted = mount("tmpfs", "size=1m,mode=0700")
     beside = mounted.with_name(mounted.name + "x")

@@ -14,8 +14,8 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 
 from conftest import real_disk_base  # noqa: E402
 
+from gds_offload.bench.cgroup import MemoryCap, cap_available  # noqa: E402
 from gds_offload.cli import main as cli_main  # noqa: E402
-from gds_offload.weights.cgroup import MemoryCap, cap_available  # noqa: E402
 
 
 def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_bench_weights_tiny_end_to_end(tmp_path: Path) -> None:
     assert len(table["columns"]) == len(table["rows"][0]) and [r[:2] for r in table["rows"]] == [[m, b] for m in ("resident", "streamed-drive", "accelerate-disk") for b in "23"]
     assert all(isinstance(v, str) for row in table["rows"] for v in row) and table["rows"][2][-1] == "yes"
     assert {t["target"].split(":")[0] for t in doc["targets"]} == {"decode batch 1"}  # batches 2 and 3: no batch >= 8 targets
-    from gds_offload.bench.report import Section, render_section
+    from gds_offload.bench.docs.report import Section, render_section
 
     page = "\n".join(render_section(Section(out, doc), tmp_path))
     assert "| streamed-drive | 2 |" in page and "gds-offload bench-weights --tiny" in page
@@ -87,7 +87,7 @@ def test_streamed_drive_runs_under_a_memory_cgroup() -> None:
         pytest.skip(f"needs root and the cgroup v1 memory controller: {why}")
     from dataclasses import replace
 
-    from gds_offload.weights.bench import TINY, BenchSpec, prepare, run_mode
+    from gds_offload.bench.weights.bench import TINY, BenchSpec, prepare, run_mode
 
     work = real_disk_base() / f"gds_offload-bench-weights-cap-{os.getpid()}"
     try:
@@ -106,7 +106,7 @@ def test_streamed_drive_runs_under_a_memory_cgroup() -> None:
 
 
 def test_raw_read_passes_cycle_through_a_window() -> None:
-    from gds_offload.weights.drive import raw_read_bandwidth
+    from gds_offload.bench.weights.drive import raw_read_bandwidth
 
     path = real_disk_base() / f"gds_offload-raw-{os.getpid()}.bin"
     try:
@@ -126,8 +126,8 @@ def _row(mode: str, batch: int, prefill: float, decode: float, **kw: float) -> d
 def test_targets_and_their_bounds() -> None:
     """The decode-rate target uses the paired raw rate; each tokens/s target carries both bounds,
     and a target whose bound is below its need is out of reach, not missed."""
-    from gds_offload.bench.report import out_of_reach
-    from gds_offload.weights.bench_doc import targets
+    from gds_offload.bench.docs.report import out_of_reach
+    from gds_offload.bench.weights.doc import targets
 
     gb = 1e9
     report = {
@@ -192,8 +192,8 @@ def test_bench_finetune_tiny_end_to_end(tmp_path: Path) -> None:
     failed = rows["accelerate-disk", 1]
     assert failed["status"] == "error" and "meta" in failed["error"] and rows["accelerate-disk", 2]["error"].startswith("not run after batch 1")
     assert doc["kind"] == "table" and doc["command"].startswith("gds-offload bench-finetune --tiny")
-    from gds_offload.bench.headline import headline
-    from gds_offload.bench.report import Section, render_section
+    from gds_offload.bench.docs.headline import headline
+    from gds_offload.bench.docs.report import Section, render_section
 
     line = headline(doc)
     assert line is not None and "streamed-drive: " in line and "x resident's train tok/s at batch 2, exact" in line and "accelerate-disk: failed" in line

@@ -1,1 +1,1 @@
-"""Benchmarks: storage-engine bandwidth (:mod:`gds_offload.bench.io_bench`) and training runs."""
+"""Benchmarks: storage-engine bandwidth (:mod:`gds_offload.bench.io`) and training runs."""

@@ -80,7 +80,7 @@ def _version(module: str) -> str | None:
 def _drive(path: Path, root: Path) -> dict[str, Any]:
     """Filesystem, device and O_DIRECT support of ``path``, from the ``gds-check`` probes."""
     try:
-        from gds_offload.check.probes import probe_path
+        from gds_offload.node.probes import probe_path
     except ImportError as exc:
         return {"filesystem": f"unknown (gds-check probes unavailable: {exc})"}
     try:
@@ -126,7 +126,7 @@ def describe_machine(path: str | os.PathLike[str] | None = None, *, root: Path =
     except Exception:  # noqa: BLE001
         pass
     if path is None:
-        from gds_offload.spill_dir import default_spill_dir
+        from gds_offload.io.directory import default_spill_dir
 
         path = default_spill_dir()
     drive = _drive(Path(path), root)

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
-from gds_offload.check.collect import NodeReport, collect_node
-from gds_offload.check.findings import CheckResult
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
-from gds_offload.check.verdict import Verdict, decide, report_checks, worst_verdict
-from gds_offload.spill_dir import Origin, spill_dir_origin
+from gds_offload.io.directory import Origin, spill_dir_origin
+from gds_offload.node.collect import NodeReport, collect_node
+from gds_offload.node.findings import CheckResult
+from gds_offload.node.verdict import Verdict, decide, report_checks, worst_verdict
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 
@@ -121,7 +121,7 @@ def measure_bandwidth(
 ) -> tuple[list[dict[str, dict[str, Any]]], CheckResult]:
     """Measure write/read GB/s per engine and a raw O_DIRECT figure at each usable path.
 
-    Uses ``gds_offload.bench.io_bench.measure_engine`` and ``raw_direct_bandwidth``;
+    Uses ``gds_offload.bench.io.measure_engine`` and ``raw_direct_bandwidth``;
     when that module is missing the check is ``skip`` with the import error.
 
     Args:
@@ -134,13 +134,13 @@ def measure_bandwidth(
         Per path ``{engine: {write_gbps, read_gbps, ...}}`` and the ``bandwidth`` check.
     """
     try:
-        from gds_offload.bench import io_bench
+        from gds_offload.bench import io as io_bench
 
         measure = io_bench.measure_engine
         raw = io_bench.raw_direct_bandwidth
     except Exception as exc:  # noqa: BLE001 - a missing benchmark is a skip, not a crash
         return [], CheckResult("bandwidth", "skip",
-                               f"gds_offload.bench.io_bench unavailable ({type(exc).__name__}: {exc})")
+                               f"gds_offload.bench.io unavailable ({type(exc).__name__}: {exc})")
     plan: list[tuple[int, str]] = []
     skipped: list[str] = []
     for i, (probe, verdict) in enumerate(zip(report.paths, verdicts)):
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import signal
 
-    from gds_offload.bench.children import Terminated, stop_signals
+    from gds_offload.bench.procs import Terminated, stop_signals
     from gds_offload.cli import stopped
 
     try:

@@ -1,6 +1,6 @@
 """``gds-check --ranks [N]``: the spill directory each local rank of this node would use.
 
-Builds the placements with :func:`gds_offload.ranks.node_placements` (the same code
+Builds the placements with :func:`gds_offload.activations.spill.ranks.node_placements` (the same code
 ``attach()`` runs in each rank), then renders them as a table or, with ``--json``, as a
 list of objects. Creates nothing.
 """
@@ -24,7 +24,7 @@ def local_world_size(requested: int | None, env: Mapping[str, str], root: Path) 
         text = env.get(name, "").split("(")[0]
         if text.isdigit() and int(text) > 0:
             return int(text)
-    from gds_offload.check.node import probe_gpus
+    from gds_offload.node.system import probe_gpus
 
     return max(1, len(probe_gpus(root).gpus))
 
@@ -43,7 +43,7 @@ def rank_rows(paths: Sequence[str], nproc: int | None, *, env: Mapping[str, str]
     Raises:
         ConfigError: a path the ranks cannot resolve (the message says why).
     """
-    from gds_offload.ranks import node_placements
+    from gds_offload.activations.spill.ranks import node_placements
 
     env = os.environ if env is None else env
     n = local_world_size(nproc, env, root)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from gds_offload.check.collect import NodeReport
-from gds_offload.check.findings import CheckResult
-from gds_offload.check.paths import PathProbe
-from gds_offload.check.topology import best_affinities
-from gds_offload.check.verdict import Verdict
+from gds_offload.node.collect import NodeReport
+from gds_offload.node.findings import CheckResult
+from gds_offload.node.paths import PathProbe
+from gds_offload.node.topology import best_affinities
+from gds_offload.node.verdict import Verdict
 
 if TYPE_CHECKING:
     from types import TracebackType

@@ -5,12 +5,12 @@ Modes (``--modes``, comma-separated): ``keep`` (no offloader), ``offload`` (engi
 ``offload:*`` (every engine that runs here), ``adaptive`` (``policy="adaptive"``),
 ``recompute`` (per-layer activation checkpointing) and ``save_on_cpu`` (CUDA only).
 ``auto`` (the default) is ``keep,offload:*,adaptive,recompute`` plus ``save_on_cpu`` on
-a GPU. See :mod:`gds_offload.bench.child` for how each mode is run and measured.
+a GPU. See :mod:`gds_offload.bench.train.child` for how each mode is run and measured.
 
 Models (``--model``): ``gpt`` (the built-in GPT), ``llama`` / ``gpt2`` (Hugging Face
 ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` built from a config of the requested size,
 random weights), or ``pkg.module:factory``: a function called with a
-:class:`~gds_offload.bench.workload.ModelSpec` (the sizes below, ``seed`` and ``device``)
+:class:`~gds_offload.bench.train.workload.ModelSpec` (the sizes below, ``seed`` and ``device``)
 that returns ``(model, batch_fn)`` or ``(model, batch_fn, loss_fn)``, where
 ``batch_fn(step: int)`` returns that step's batch (a function of the step only) and the
 loss is ``loss_fn(model, batch)``, else the model's output for the batch (``**dict``,
@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def select_modes(text: str, device: str, path: str | None) -> list[str]:
     """``--modes`` expanded (``auto``, ``offload:*``) and validated."""
-    from gds_offload.bench.spec import expand_modes
+    from gds_offload.bench.train.spec import expand_modes
 
     if text.strip() == "auto":
         text = "keep,offload:*,adaptive,recompute" + (",save_on_cpu" if device.startswith("cuda") else "")
@@ -79,7 +79,7 @@ def summarize(results: list[Any]) -> dict[str, Any]:
     step's time over its paused partner's (``paired_ratios``). Losses agree when they
     agree in every round.
     """
-    from gds_offload.bench.spec import compare_losses, paired_ratios
+    from gds_offload.bench.train.spec import compare_losses, paired_ratios
 
     rounds = sorted({r.round for r in results})
     per_round = {k: [r for r in results if r.round == k] for k in rounds}
@@ -116,10 +116,10 @@ def summarize(results: list[Any]) -> dict[str, Any]:
 
 def check_in_process(summary: dict[str, Any], base: Any, console: Any = None) -> None:
     """For each offload mode whose losses differed from keep's across processes, decide in one
-    process (:func:`~gds_offload.bench.child.exact_in_process`) and record the verdict as the
+    process (:func:`~gds_offload.bench.train.child.exact_in_process`) and record the verdict as the
     mode's ``exact_in_process`` in ``summary``. Other modes (recompute, ...) are not checked."""
-    from gds_offload.bench.child import exact_in_process
-    from gds_offload.bench.spec import parse_mode
+    from gds_offload.bench.train.child import exact_in_process
+    from gds_offload.bench.train.spec import parse_mode
 
     for mode, row in summary["modes"].items():
         if row["losses_agree"] is False and parse_mode(mode)[0] in ("offload", "adaptive"):
@@ -210,7 +210,7 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: {r.error}")
     if summary["all_losses_agree"] is False:
-        from gds_offload.bench.child import LOSSES_DIFFER_NOTE, in_process_verdict
+        from gds_offload.bench.train.child import LOSSES_DIFFER_NOTE, in_process_verdict
 
         console.print("[red]losses differ between modes (bit-identical expected)[/]")
         console.print(f"[yellow]{LOSSES_DIFFER_NOTE}[/]")
@@ -231,7 +231,7 @@ def run_modes(base: Any, modes: list[str], *, timeout_s: float, status: Any = No
     Round ``k`` runs the modes in :func:`round_order` ``(modes, k)``; every result
     carries its ``round``.
     """
-    from gds_offload.bench.runner import run_mode
+    from gds_offload.bench.train.runner import run_mode
 
     results = []
     total = len(modes) * rounds
@@ -258,8 +258,8 @@ def results_doc(
     """The results file of a ``bench`` run (written to ``--out`` unless it is ''): what ran, at
     which commit, when, under what load, on which machine (``path``: its spill drive), the
     ``fields`` of its kind, and the figures."""
+    from gds_offload.bench.docs.report import current_commit
     from gds_offload.bench.machine import describe_machine
-    from gds_offload.bench.report import current_commit
 
     doc = {
         "kind": kind,
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     threads = f"torch threads: {'/'.join(map(str, counts))}" if counts and device == "cpu" else ""
     if args.plot:
         try:
-            from gds_offload.bench.plot import plot_results
+            from gds_offload.bench.docs.plot import plot_results
 
             m = doc["machine"]
             title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "

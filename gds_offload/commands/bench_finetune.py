@@ -1,6 +1,6 @@
 """``gds-offload bench-finetune``: LoRA fine-tuning steps with the weights resident, streamed from the
 drive or host memory, and under Accelerate's disk offload, each mode in its own process
-(:mod:`gds_offload.weights.finetune_bench`). Examples::
+(:mod:`gds_offload.bench.weights.finetune`). Examples::
 
     gds-offload bench-finetune --tiny                                  # seconds: the end-to-end check
     gds-offload bench-finetune --memory-limit 1.6GiB --out docs/results/finetune-cpu.json
@@ -41,10 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY
+    from gds_offload.bench.weights.finetune import MODES, FinetuneSpec, run_finetune_bench
     from gds_offload.commands.bench_weights import emit, memory_limit_arg, modes_arg, workdir_arg
     from gds_offload.errors import ConfigError
-    from gds_offload.weights.bench import DEFAULT_MODEL, TINY
-    from gds_offload.weights.finetune_bench import MODES, FinetuneSpec, run_finetune_bench
 
     try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
-    from gds_offload.bench.report import current_commit
+    from gds_offload.bench.docs.report import current_commit
 
     model = TINY if args.tiny else DEFAULT_MODEL
     spec = FinetuneSpec("", "", "", str(workdir), batch_sizes=args.batch_sizes or (1, 4, 8), seq_len=args.seq_len, steps=args.steps,
@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
     from gds_offload.bench.machine import describe_machine
+    from gds_offload.bench.weights.finetune import finetune_table
     from gds_offload.units import format_bytes
-    from gds_offload.weights.finetune_bench import finetune_table
 
     m, spec = report["model"], report["spec"]
     size = format_bytes(m["weights_nbytes"])

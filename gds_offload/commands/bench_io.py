@@ -1,6 +1,6 @@
 """``gds-offload bench-io``: engine bandwidth next to the drive's raw O_DIRECT bandwidth.
 
-Probes with :func:`gds_offload.bench.io_bench.run_bench`, then renders its report as a
+Probes with :func:`gds_offload.bench.io.run_bench`, then renders its report as a
 rich table (or JSON). Example::
 
     gds-offload bench-io --path /mnt/nvme/spill --size 2GiB --tensor-sizes 1MiB,64MiB
@@ -60,8 +60,8 @@ def check_room(path: Path, total: int, sizes: list[int], engines: list[str], *, 
     Raises:
         ConfigError: too little free space, with both figures.
     """
+    from gds_offload.activations.spill.store import GROW_BYTES, free_bytes
     from gds_offload.errors import ConfigError
-    from gds_offload.store import GROW_BYTES, free_bytes
     from gds_offload.units import format_bytes
 
     needs = [max(total, 1 << 20)] if raw else []
@@ -78,7 +78,7 @@ def check_room(path: Path, total: int, sizes: list[int], engines: list[str], *, 
 
 
 def render(report: Any) -> None:
-    """Print ``report`` (an :class:`~gds_offload.bench.io_bench.IOBenchReport`) as rich tables."""
+    """Print ``report`` (an :class:`~gds_offload.bench.io.IOBenchReport`) as rich tables."""
     from rich.console import Console
     from rich.table import Table
 
@@ -127,10 +127,10 @@ def render(report: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gds_offload.bench.io_bench import run_bench
+    from gds_offload.bench.io import run_bench
     from gds_offload.errors import ConfigError
     from gds_offload.io import validate_mode
-    from gds_offload.spill_dir import prepare_dir, spill_dir_origin
+    from gds_offload.io.directory import prepare_dir, spill_dir_origin
     from gds_offload.units import parse_bytes
 
     err = Console(stderr=True)

@@ -1,8 +1,8 @@
 """``gds-offload bench --nproc N``: every mode on one process and on N DDP ranks, interleaved, in one run.
 
 Per mode there are two runs per round: the one-process run of ``bench``
-(:func:`~gds_offload.bench.runner.run_mode`) and the same mode on ``N`` ranks under torchrun
-(:func:`~gds_offload.bench.ranks_runner.run_ranked`), with the same model, the same per-rank
+(:func:`~gds_offload.bench.train.runner.run_mode`) and the same mode on ``N`` ranks under torchrun
+(:func:`~gds_offload.bench.train.ranks_runner.run_ranked`), with the same model, the same per-rank
 batch and the same number of torch threads per process (``torch.set_num_threads``: the usable
 CPUs divided by ``N``, at least 1), so one process computes as one rank does. The runs of a
 round go in the order of :func:`~gds_offload.commands.bench.round_order` over the
@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from gds_offload.bench.ranks_runner import RankedResult
+from gds_offload.bench.train.ranks_runner import RankedResult
 
 __all__ = ["run", "per_process_threads", "one_process_path", "ranks_agree", "summarize_settings"]
 
@@ -51,7 +51,7 @@ def per_process_threads(nproc: int) -> int:
 def one_process_path(path: str | None, nproc: int) -> str | None:
     """Where the one-process runs spill: rank 0's directory of ``path`` (a template filled in;
     the default and ``auto`` as they are, which put the ranks under or beside it)."""
-    from gds_offload.ranks import AUTO, node_placements
+    from gds_offload.activations.spill.ranks import AUTO, node_placements
 
     if path is None or path == AUTO:
         return path
@@ -68,9 +68,9 @@ def check_ranked(base: Any, modes: list[str], nproc: int) -> None:
     """
     import torch
 
+    from gds_offload.activations.spill.ranks import AUTO, node_placements
     from gds_offload.commands.run_args import check_fits, check_runs
     from gds_offload.errors import ConfigError
-    from gds_offload.ranks import AUTO, node_placements
 
     if base.device.startswith("cuda"):
         if base.device != "cuda":
@@ -141,8 +141,8 @@ def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any
 
 def _run_all(single: Any, ranked: Any, modes: list[str], nproc: int, *, timeout_s: float, rounds: int, status: Any) -> list[RankedResult]:
     """Every (mode, processes) pair, ``rounds`` times, in :func:`round_order`."""
-    from gds_offload.bench.ranks_runner import run_ranked
-    from gds_offload.bench.runner import run_mode
+    from gds_offload.bench.train.ranks_runner import run_ranked
+    from gds_offload.bench.train.runner import run_mode
     from gds_offload.commands.bench import round_order
 
     pairs = [(mode, n) for mode in modes for n in (1, nproc)]
@@ -174,7 +174,7 @@ def _render(doc: dict[str, Any], title: str) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from gds_offload.bench.report import ranks_spread, ranks_table
+    from gds_offload.bench.docs.report import ranks_spread, ranks_table
 
     console = Console()
     if not console.is_terminal:

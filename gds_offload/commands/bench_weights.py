@@ -1,6 +1,6 @@
 """``gds-offload bench-weights``: inference tokens/s with weights resident, streamed from the
 drive or host memory by :mod:`gds_offload.weights`, and under Accelerate's disk offload,
-each mode in its own process (:mod:`gds_offload.weights.bench`). Examples::
+each mode in its own process (:mod:`gds_offload.bench.weights.bench`). Examples::
 
     gds-offload bench-weights --tiny                                  # seconds: the end-to-end check
     gds-offload bench-weights --memory-limit 1.2GiB --out docs/results/weights-cpu.json
@@ -58,14 +58,14 @@ def default_workdir(tiny: bool) -> Path:
 
 def workdir_arg(given: str | None, *, tiny: bool) -> Path:
     """The working directory of ``--workdir``, or :func:`default_workdir`: judged as ``attach()``
-    judges a spill directory (:func:`~gds_offload.spill_dir.prepare_dir`; the default must be
+    judges a spill directory (:func:`~gds_offload.io.directory.prepare_dir`; the default must be
     the user's own), created 0700 when missing.
 
     Raises:
         ConfigError: an empty ``--workdir``, or a directory ``attach()`` would refuse.
     """
     from gds_offload.errors import ConfigError
-    from gds_offload.spill_dir import prepare_dir
+    from gds_offload.io.directory import prepare_dir
 
     if given is None:
         return prepare_dir(default_workdir(tiny), create=True, origin="default --workdir")
@@ -76,13 +76,13 @@ def workdir_arg(given: str | None, *, tiny: bool) -> Path:
 
 def memory_limit_arg(text: str | None) -> int | None:
     """``--memory-limit``: ``None`` when left out, else a cap this machine can apply
-    (:func:`~gds_offload.weights.cgroup.check_limit`).
+    (:func:`~gds_offload.bench.cgroup.check_limit`).
 
     Raises:
         ConfigError: not a size, 0, under 64 MiB, or no memory group can be made here.
     """
+    from gds_offload.bench.cgroup import check_limit
     from gds_offload.units import parse_bytes
-    from gds_offload.weights.cgroup import check_limit
 
     if text is None:
         return None
@@ -136,10 +136,10 @@ def _depths(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gds_offload.bench.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
     from gds_offload.commands.run_args import resolve_device
     from gds_offload.errors import ConfigError
     from gds_offload.io import validate_mode
-    from gds_offload.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
 
     try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
-    from gds_offload.bench.report import current_commit
+    from gds_offload.bench.docs.report import current_commit
 
     console = Console(stderr=True)
     started = time.time()
@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
     from gds_offload.bench.machine import describe_machine
+    from gds_offload.bench.weights.doc import document, fastest_raw, plot
     from gds_offload.units import format_bytes
-    from gds_offload.weights.bench_doc import document, fastest_raw, plot
 
     m, spec = report["model"], report["spec"]
     size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])

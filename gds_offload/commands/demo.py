@@ -2,9 +2,9 @@
 
 The model is the built-in GPT (or ``--model llama|gpt2``: Hugging Face classes built from
 configs, random weights) on synthetic tokens, on the GPU if there is one, else the CPU,
-sized by :data:`gds_offload.bench.gpt.DEMO_PRESETS` so that a step saves about 1 GiB of
+sized by :data:`gds_offload.models.gpt.DEMO_PRESETS` so that a step saves about 1 GiB of
 activations and the whole demo takes minutes on a CPU. Each run is a
-child process of :mod:`gds_offload.bench.runner` (so each memory peak is measured on its
+child process of :mod:`gds_offload.bench.train.runner` (so each memory peak is measured on its
 own); this process shows their progress live and the comparison at the end.
 
 Figures in the summary:
@@ -15,7 +15,7 @@ Figures in the summary:
   process: on a shared machine it is the steadier of the two. With an odd ``--steps`` the
   last step is offloaded and has no partner.
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
-  peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.child`),
+  peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.train.child`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
 * **I/O hidden behind compute**: ``1 - io_wait_seconds / (write_seconds + read_seconds)``:
   of the time the engine was moving bytes, the share during which the training thread
@@ -120,7 +120,7 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     """The keep-vs-offload comparison table."""
     from rich.table import Table
 
-    from gds_offload.bench.spec import paired_ratios
+    from gds_offload.bench.train.spec import paired_ratios
 
     table = Table(title="demo summary", show_header=True)
     table.add_column("")
@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gds_offload.bench.runner import run_mode
-    from gds_offload.bench.spec import compare_losses, parse_mode
+    from gds_offload.bench.train.runner import run_mode
+    from gds_offload.bench.train.spec import compare_losses, parse_mode
     from gds_offload.errors import ConfigError
 
     if args.nproc != 1:  # several ranks: gds_offload/commands/demo_ranks.py
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]{r.mode}[/]: [red]{r.status}[/] {r.error}")
     exact = agree
     if agree is False:
-        from gds_offload.bench.child import LOSSES_DIFFER_NOTE, exact_in_process, in_process_verdict
+        from gds_offload.bench.train.child import LOSSES_DIFFER_NOTE, exact_in_process, in_process_verdict
 
         console.print(f"[yellow]Note: {LOSSES_DIFFER_NOTE}[/]")
         console.print("checking in one process: 2 steps without, then with the offloader, every loss and gradient ...")

@@ -47,8 +47,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     """Check the options, then start ``args.nproc`` ranks of this demo under torchrun; their exit code (2: bad options)."""
-    from gds_offload.bench.spec import parse_mode
-    from gds_offload.bench.torchrun import torchrun_command
+    from gds_offload.bench.train.spec import parse_mode
+    from gds_offload.bench.train.torchrun import torchrun_command
     from gds_offload.commands.run_args import base_spec, resolve_device
     from gds_offload.errors import ConfigError
 
@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
-    from gds_offload.bench.spec import attach_kwargs, parse_mode
-    from gds_offload.bench.workload import build_workload
+    from gds_offload.activations.spill.ranks import rank_env
+    from gds_offload.bench.train.spec import attach_kwargs, parse_mode
+    from gds_offload.bench.train.workload import build_workload
     from gds_offload.commands.demo import add_arguments
     from gds_offload.commands.run_args import base_spec, resolve_device
-    from gds_offload.ranks import rank_env
 
     parser = argparse.ArgumentParser(prog="gds-offload demo --nproc N")
     add_arguments(parser)

@@ -20,10 +20,10 @@ def collect(path: Path | None) -> dict[str, object]:
     import torch
 
     from gds_offload import __version__
+    from gds_offload.activations.spill.store import SpillStore
     from gds_offload.io import choose_engine, make_engine
+    from gds_offload.io.directory import Origin, spill_dir_origin
     from gds_offload.io.kvikio_engine import kvikio_status
-    from gds_offload.spill_dir import Origin, spill_dir_origin
-    from gds_offload.store import SpillStore
 
     origin: Origin
     path, origin = (path, "--path") if path else spill_dir_origin()

@@ -17,8 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.bench.headline import render_headline, splice
-    from gds_offload.bench.report import load_sections, render_page
+    from gds_offload.bench.docs.headline import render_headline, splice
+    from gds_offload.bench.docs.report import load_sections, render_page
 
     results, out = Path(args.results), Path(args.out)
     if not results.is_dir():

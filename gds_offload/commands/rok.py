@@ -47,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from gds_offload.bench import rok
-    from gds_offload.bench.gpt import GPTConfig
-    from gds_offload.bench.spec import RunSpec
+    from gds_offload.bench.train import rok
+    from gds_offload.bench.train.spec import RunSpec
     from gds_offload.commands.run_args import check_runs, resolve_device
     from gds_offload.errors import ConfigError
+    from gds_offload.models.gpt import GPTConfig
     from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
     console = Console()

@@ -1,7 +1,7 @@
 """The flags that describe a training run, and the checks made before its first child starts.
 
 ``bench``, ``demo``, ``rok`` and ``demo --nproc`` train the same models with the same flags
-(:func:`add_model_arguments`) into one :class:`~gds_offload.bench.spec.RunSpec`
+(:func:`add_model_arguments`) into one :class:`~gds_offload.bench.train.spec.RunSpec`
 (:func:`base_spec`), and refuse up front what a child process would refuse later
 (:func:`check_runs`: the model name, the offloader's arguments, the memory). The argparse
 types here (:data:`positive_int`, ...) serve every command: zero never means "the default".
@@ -71,7 +71,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, warmup: int) 
     p.add_argument("--num-threads", type=positive_int, default=None, help="engine I/O threads (engine default)")
     p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before a mode's process is killed (default: 1800)")
     p.add_argument("--data", default=None, help="train on token shards from this directory (gds-offload shards) instead of synthetic tokens; sets --seq (and --vocab) from them")
-    p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step slower, every mode alike; see gds_offload.bench.runner)")
+    p.add_argument("--no-memory", action="store_true", help="CPU: do not measure peak memory; run with glibc's default allocator settings (measuring makes every step slower, every mode alike; see gds_offload.bench.train.runner)")
 
 
 def resolve_device(device: str) -> str:
@@ -108,7 +108,7 @@ def check_model_name(model: str) -> None:
     """
     import importlib.util
 
-    from gds_offload.bench.workload import BUILTIN_MODELS
+    from gds_offload.bench.train.workload import BUILTIN_MODELS
     from gds_offload.errors import ConfigError
 
     if model == "gpt":
@@ -148,7 +148,7 @@ def available_memory(device: str) -> tuple[int, str] | None:
 
 def mode_needs(est: Any, mode: str, device: str) -> dict[str, int]:
     """Bytes ``mode`` needs per memory (``"cpu"``, or the CUDA device and ``"cpu"`` for host copies)."""
-    from gds_offload.bench.spec import parse_mode
+    from gds_offload.bench.train.spec import parse_mode
 
     kind, engine = parse_mode(mode)
     cuda = device.startswith("cuda")
@@ -172,8 +172,8 @@ def check_fits(base: Any, modes: list[str], *, copies: int = 1) -> None:
     Raises:
         ConfigError: a mode needs more than is available (:func:`available_memory`).
     """
-    from gds_offload.bench.gpt import GPTConfig, estimate_memory
     from gds_offload.errors import ConfigError
+    from gds_offload.models.gpt import GPTConfig, estimate_memory
     from gds_offload.units import format_bytes
 
     if base.model != "gpt":
@@ -204,8 +204,8 @@ def check_runs(base: Any, modes: list[str]) -> None:
     Raises:
         ConfigError: the first problem, naming the flag.
     """
-    from gds_offload.bench.spec import parse_mode
-    from gds_offload.config import OffloadConfig
+    from gds_offload.activations.config import OffloadConfig
+    from gds_offload.bench.train.spec import parse_mode
 
     check_model_name(base.model)
     for mode in modes:
@@ -223,14 +223,14 @@ def check_runs(base: Any, modes: list[str]) -> None:
 
 
 def base_spec(args: argparse.Namespace, device: str) -> Any:
-    """The :class:`~gds_offload.bench.spec.RunSpec` the options describe (mode left as ``keep``).
+    """The :class:`~gds_offload.bench.train.spec.RunSpec` the options describe (mode left as ``keep``).
 
     Raises:
         ConfigError: a bad size string or shape.
     """
-    from gds_offload.bench.gpt import GPTConfig, demo_preset
-    from gds_offload.bench.spec import RunSpec
-    from gds_offload.data.train import data_defaults
+    from gds_offload.bench.data.train import data_defaults
+    from gds_offload.bench.train.spec import RunSpec
+    from gds_offload.models.gpt import GPTConfig, demo_preset
     from gds_offload.units import parse_bandwidth, parse_bytes
 
     preset, preset_batch = demo_preset(device)

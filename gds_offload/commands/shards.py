@@ -96,7 +96,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from gds_offload.data.bench import run_loader_bench
+    from gds_offload.bench.data.bench import run_loader_bench
 
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if not batches or min(batches) < 1 or args.rounds < 1:

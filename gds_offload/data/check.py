@@ -4,7 +4,7 @@
 (a CUDA build), a CUDA GPU, ``libcufile`` (cuFile, which DALI's GPU reader opens), the
 nvidia-fs driver (without it cuFile reads through a host bounce buffer, its compatibility
 mode), and the filesystem under the path (GDS-supported type, ``O_DIRECT``), reusing the
-probes of ``gds-check`` (:mod:`gds_offload.check.node`, :mod:`gds_offload.check.paths`).
+probes of ``gds-check`` (:mod:`gds_offload.node.system`, :mod:`gds_offload.node.paths`).
 It never raises and never loads CUDA itself beyond torch's ``cuda.is_available()``.
 ``gds-offload shards --check DIR`` prints it.
 """
@@ -68,9 +68,9 @@ def input_path_status(path: str | Path, *, root: Path = Path("/")) -> InputPathS
         path: the shard directory (it must exist; nothing is created).
         root: root of the ``/proc``, ``/sys`` and ``/dev`` trees (fake trees in tests).
     """
-    from gds_offload.check.findings import GDS_DISTRIBUTED_FSTYPES, GDS_LOCAL_FSTYPES
-    from gds_offload.check.node import probe_gpus, probe_libcufile, probe_nvidia_fs
-    from gds_offload.check.paths import probe_path
+    from gds_offload.node.findings import GDS_DISTRIBUTED_FSTYPES, GDS_LOCAL_FSTYPES
+    from gds_offload.node.paths import probe_path
+    from gds_offload.node.system import probe_gpus, probe_libcufile, probe_nvidia_fs
 
     where = str(path)
     facts: dict[str, str] = {}

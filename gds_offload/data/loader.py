@@ -436,7 +436,7 @@ def _resolve_reader(reader: str, device: torch.device) -> Literal["gpu", "cpu"]:
     if reader == "auto":
         if device.type != "cuda":
             return "cpu"
-        from gds_offload.check.node import probe_libcufile
+        from gds_offload.node.system import probe_libcufile
 
         if not probe_libcufile().found:
             warnings.warn("TokenLoader: libcufile not found, so DALI's GPU reader cannot run; reading on the CPU "

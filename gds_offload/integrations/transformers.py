@@ -11,7 +11,7 @@ Usage::
 The callback attaches the offloader when training begins (``on_train_begin``), adds its
 counters to every log entry (``on_log``; keys prefixed ``gds_offload/``) and detaches
 when training ends (``on_train_end``). Layers are found by
-:func:`gds_offload.layers.find_layers` (``model.layers.N`` for Llama, ``transformer.h.N``
+:func:`gds_offload.activations.layers.find_layers` (``model.layers.N`` for Llama, ``transformer.h.N``
 for GPT-2). ``model.gradient_checkpointing_enable()`` works alongside: the checkpointed
 layers save (almost) nothing, so only what lies outside them is offloaded.
 
@@ -29,10 +29,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gds_offload.activations.attach import attach
+from gds_offload.activations.offloader import Offloader
+from gds_offload.activations.stats import OffloadStats
 from gds_offload.errors import ConfigError
-from gds_offload.hooks import Offloader
-from gds_offload.offloader import attach
-from gds_offload.stats import OffloadStats
 
 __all__ = ["OffloadCallback", "LOG_PREFIX"]
 

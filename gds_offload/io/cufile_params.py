@@ -88,7 +88,7 @@ def _truthy(value: str | None) -> bool:
 
 def _from_config(env: Mapping[str, str]) -> CompatFallback:
     """What ``cufile.json`` (and ``CUFILE_FORCE_COMPAT_MODE``) will make of the fallback at driver open."""
-    from gds_offload.check.cufile_config import read_cufile_config
+    from gds_offload.io.cufile_config import read_cufile_config
 
     cfg = read_cufile_config(env=env)
     if _truthy(env.get("CUFILE_FORCE_COMPAT_MODE")):

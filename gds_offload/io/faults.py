@@ -55,8 +55,8 @@ from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
 
 if TYPE_CHECKING:
-    from gds_offload.hooks import Offloader
-    from gds_offload.store import Slot
+    from gds_offload.activations.offloader import Offloader
+    from gds_offload.activations.spill.store import Slot
 
 __all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
 

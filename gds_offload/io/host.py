@@ -17,8 +17,8 @@ import torch
 from gds_offload.io.base import Engine, io_error
 
 if TYPE_CHECKING:
+    from gds_offload.activations.spill.store import Slot
     from gds_offload.io.limits import TokenBucket
-    from gds_offload.store import Slot
 
 __all__ = ["HostEngine"]
 

@@ -55,15 +55,15 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import numpy as np
 import torch
 
+from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.base import Direction, io_error
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, own_pages
 from gds_offload.io.staging import SideStreams, StagingPool, copy_in_chunks, copy_out_chunks, on_device, padded
-from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
+    from gds_offload.activations.spill.store import Slot, SpillFile
     from gds_offload.io.limits import TokenBucket
-    from gds_offload.store import Slot, SpillFile
 
 __all__ = ["KvikIOEngine", "cufile_config_path", "kvikio_status"]
 

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.io.base import Engine, EngineStats
-from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
+    from gds_offload.activations.spill.store import Slot
     from gds_offload.io.limits import TokenBucket
-    from gds_offload.store import Slot
 
 __all__ = ["DEFAULT_POOL_IDLE_BYTES", "HUGE_PAGE", "PAGE", "HostBufferPool", "PageSpanEngine", "SlotHeads", "empty_like_head", "head_of", "map_anonymous", "own_pages", "pages_around", "span_bytes", "writable_head"]
 

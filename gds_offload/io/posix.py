@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.io.base import Direction, io_error
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, map_anonymous
 from gds_offload.io.staging import StagingPool, copy_out_chunks, on_device, padded
-from gds_offload.store import ALIGN, align_up
 
 if TYPE_CHECKING:
+    from gds_offload.activations.spill.store import Slot
     from gds_offload.io.limits import TokenBucket
-    from gds_offload.store import Slot
 
 __all__ = ["PosixEngine"]
 

@@ -1,6 +1,6 @@
 """Engine selection: what ``mode="auto"`` picks on this node, and why.
 
-Shares its node detection with ``gds-check`` (:func:`gds_offload.check.probes.node_verdict`),
+Shares its node detection with ``gds-check`` (:func:`gds_offload.node.probes.node_verdict`),
 so the checker and the offloader never disagree.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _gds_verdict(path: Path) -> tuple[bool, str]:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False, "torch not importable"
     try:
-        from gds_offload.check.probes import node_verdict
+        from gds_offload.node.probes import node_verdict
     except ImportError as exc:
         return False, f"gds-check probes unavailable ({exc})"
     verdict = node_verdict(path)

@@ -56,7 +56,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from gds_offload.store import ALIGN, align_up
+from gds_offload.activations.spill.store import ALIGN, align_up
 
 T = TypeVar("T")
 

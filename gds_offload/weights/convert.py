@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
+from gds_offload.activations.spill.store import Slot, SpillFile
 from gds_offload.errors import ConfigError
-from gds_offload.integrity import checksum
 from gds_offload.io.base import IOFuture
+from gds_offload.io.integrity import checksum
 from gds_offload.io.posix import PosixEngine
-from gds_offload.store import Slot, SpillFile
 from gds_offload.units import format_bytes
 from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError

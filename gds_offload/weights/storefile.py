@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from gds_offload.activations.spill.store import Slot, SpillFile
 from gds_offload.errors import OffloadError
-from gds_offload.integrity import checksum
 from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.integrity import checksum
 from gds_offload.io.pages import map_anonymous
-from gds_offload.store import Slot, SpillFile
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
 from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry, Manifest
 from gds_offload.weights.trust import check_name, open_dir, open_file

@@ -8,7 +8,7 @@ opened relative to a descriptor of their directory, without following a symlink
 the descriptor, so what is checked is what is read. Anyone who could write a store could swap
 two layers, checksums included, and even a verified load would compute wrong outputs without
 an error; such stores are refused, with the fix, as ``attach()`` refuses such spill
-directories (:mod:`gds_offload.spill_dir`).
+directories (:mod:`gds_offload.io.directory`).
 
 :func:`make_dirs` and :func:`create_file` make stores that pass: directories 0755 and files
 0644, less what the umask takes away, and never writable by group or others whatever the

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from test_launchers import clean_env
 
-from gds_offload.bench.ranks_runner import RankedResult, combine_ranks
-from gds_offload.bench.report import load_sections, render_page
-from gds_offload.bench.runner import RunResult
+from gds_offload.bench.docs.report import load_sections, render_page
+from gds_offload.bench.train.ranks_runner import RankedResult, combine_ranks
+from gds_offload.bench.train.runner import RunResult
 from gds_offload.commands.bench_ranks import one_process_path, ranks_agree, summarize_settings
 
 TINY = ["--layers", "2", "--hidden", "64", "--seq", "64", "--batch", "2", "--vocab", "256", "--steps", "2", "--warmup", "1",
@@ -25,7 +25,7 @@ def _factory(tmp_path: Path, name: str, refuse_if: str, why: str) -> str:
     ``refuse_if`` holds; returns the PYTHONPATH that makes it importable."""
     (tmp_path / f"{name}.py").write_text(
         "import os\n"
-        "from gds_offload.bench.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch\n"
+        "from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch\n"
         "def make(spec):\n"
         f"    if {refuse_if}:\n"
         f"        raise RuntimeError({why!r})\n"

@@ -1,0 +1,1 @@
+"""What to offload: the policies (all, adaptive, budget) and the step profiles they plan with."""

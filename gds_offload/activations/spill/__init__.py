@@ -1,0 +1,1 @@
+"""Where offloaded bytes live: the spill store, and each rank's directories."""

@@ -1,0 +1,74 @@
+"""Counters the offloader reports: :class:`OffloadStats` and its per-layer rows."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["OffloadStats", "LayerStats"]
+
+
+@dataclass
+class LayerStats:
+    """One unit (a layer call, or ``<pre>``: what runs before the first layer). Bytes after deduplication."""
+
+    name: str
+    bytes_packed: int = 0
+    bytes_offloaded: int = 0
+    bytes_kept: int = 0
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+
+
+@dataclass
+class OffloadStats:
+    """What the offloader did since :func:`attach` (or the last ``stats(reset=True)``).
+
+    Byte counters count each storage once per step unless named otherwise.
+    """
+
+    engine: str
+    engine_reason: str
+    gds: bool
+    steps: int = 0
+    #: Ranks these counters cover: 1, or the job's world size for ``stats(all_ranks=True)``
+    #: (see :mod:`gds_offload.activations.rank_stats` for how each counter combines).
+    ranks: int = 1
+    #: All activation bytes autograd saved through the hooks (parameters excluded).
+    bytes_packed: int = 0
+    #: Bytes saved again (same storage, or another view of it) and not stored twice.
+    bytes_deduplicated: int = 0
+    #: Bytes written to storage.
+    bytes_offloaded: int = 0
+    #: Bytes kept resident by policy (last layers, plan) or size (under min_bytes).
+    bytes_kept: int = 0
+    #: Bytes served from memory at unpack because the write was still in flight or the data resident.
+    bytes_forwarded: int = 0
+    bytes_read: int = 0
+    #: Bytes that could not be written (drive full, I/O error) and stayed resident instead.
+    bytes_fallback: int = 0
+    #: Tensors autograd saved that cannot be offloaded (sparse, nested, quantized, subclasses): kept as they are.
+    bytes_unsupported: int = 0
+    #: Largest total of saved-activation bytes the scheduler held in memory at once.
+    peak_resident_bytes: int = 0
+    resident_bytes: int = 0
+    #: The peak of each part of the resident bytes: kept (never written), held by writes in
+    #: flight, and read back ahead of backward (or still in memory when backward came).
+    peak_kept_bytes: int = 0
+    peak_writing_bytes: int = 0
+    peak_loaded_bytes: int = 0
+    #: The bound on bytes held by writes in flight (``attach(write_window=...)``, or derived).
+    write_window_bytes: int = 0
+    #: Engine wall time with a write (read) in flight.
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    #: Time the training thread was blocked waiting for I/O: reads in backward, and the
+    #: write window in forward (``write_wait_seconds`` of it).
+    io_wait_seconds: float = 0.0
+    write_wait_seconds: float = 0.0
+    #: Unpacks that had to wait for a read.
+    stalls: int = 0
+    spill_file_bytes: int = 0
+    layers: list[LayerStats] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

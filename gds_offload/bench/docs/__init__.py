@@ -1,0 +1,1 @@
+"""docs/performance.md: the result files' sections, the README's headline table, the plots."""

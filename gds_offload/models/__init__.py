@@ -1,0 +1,1 @@
+"""Models the examples and benchmarks train: the demo GPT (:mod:`gds_offload.models.gpt`)."""
