@@ -643,9 +643,9 @@ def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
     calls = []
     fake = _fake_io_bench(calls)
     monkeypatch.setitem(sys.modules, "gds_offload.bench.io", fake)
-    # `from gds_offload.bench import io_bench` reads the package attribute first (set once any
+    # `from gds_offload.bench import io` reads the package attribute first (set once any
     # test imported the real module), then sys.modules.
-    monkeypatch.setattr(gds_offload.bench, "io_bench", fake, raising=False)
+    monkeypatch.setattr(gds_offload.bench, "io", fake, raising=False)
     monkeypatch.delenv("KVIKIO_COMPAT_MODE", raising=False)
     code = check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
@@ -664,11 +664,11 @@ def test_cli_bandwidth_uses_io_bench(tmp_path, monkeypatch, capsys):
 
 def test_cli_bandwidth_skips_without_io_bench(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gds_offload.bench.io", None)  # import fails
-    monkeypatch.delattr(gds_offload.bench, "io_bench", raising=False)
+    monkeypatch.delattr(gds_offload.bench, "io", raising=False)
     check_main(["--json", "--no-driver-probe", "--size", "1MiB", "--path", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
     check = [c for c in doc["checks"] if c["name"] == "bandwidth"][0]
-    assert check["status"] == "skip" and "io_bench unavailable" in check["detail"]
+    assert check["status"] == "skip" and "gds_offload.bench.io unavailable" in check["detail"]
     assert doc["bandwidth"] == {} and schema_violations(doc) == []
 
 

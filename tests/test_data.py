@@ -21,10 +21,11 @@ import torch
 from conftest import cuda_test
 
 from gds_offload.cli import main
-from gds_offload.data.format import ALIGN_BYTES, MANIFEST_NAME, ShardError, read_shard_header, scan_shards, write_shard
+from gds_offload.data.format import MANIFEST_NAME, ShardError, read_shard_header, scan_shards, write_shard
 from gds_offload.data.loader import TokenLoader
 from gds_offload.data.order import plan_epoch
 from gds_offload.data.writer import BYTE_VOCAB, EOT, ShardWriter, synthetic_tokens, text_documents, write_shards
+from gds_offload.io.layout import ALIGN
 
 #: Tests that read shards through DALI (building a loader and checking files does not need it).
 requires_dali = pytest.mark.skipif(
@@ -63,8 +64,8 @@ def test_shard_file_is_an_aligned_npy(tmp_path: Path) -> None:
     rows = np.arange(3 * 9, dtype=np.uint16).reshape(3, 9)
     info = write_shard(tmp_path / "a.npy", rows)
     raw = (tmp_path / "a.npy").read_bytes()
-    assert info.data_offset == ALIGN_BYTES and struct.unpack("<H", raw[8:10])[0] + 10 == ALIGN_BYTES
-    assert raw[ALIGN_BYTES:] == rows.tobytes()
+    assert info.data_offset == ALIGN and struct.unpack("<H", raw[8:10])[0] + 10 == ALIGN
+    assert raw[ALIGN:] == rows.tobytes()
     assert np.array_equal(np.load(tmp_path / "a.npy"), rows)
     assert read_shard_header(tmp_path / "a.npy") == info
 
@@ -90,7 +91,7 @@ def test_text_shards_are_the_byte_stream_cut_into_overlapping_windows(tmp_path: 
 def test_default_files_fill_whole_pages(tmp_path: Path) -> None:
     summary = synthetic(tmp_path / "s", 300_000, seq=512, per_file=None)
     assert summary.windows_per_file == 2048  # 2048 rows of 1026 bytes = 513 pages
-    assert all(f.nbytes % ALIGN_BYTES == 0 for f in summary.files[:-1])
+    assert all(f.nbytes % ALIGN == 0 for f in summary.files[:-1])
 
 
 def test_writer_refuses_too_little_text_and_old_shards(tmp_path: Path) -> None:

@@ -478,11 +478,13 @@ def test_gds_engine_on_a_gpu_is_strict_only_when_asked(
     the fix; otherwise ``uses_gds`` says whether the fallback is off, and the description
     which route device memory takes (stream API with a cufile.json, else pread/pwrite)."""
     from gds_offload.io import cufile_params as cp
+    from gds_offload.io import kvikio_engine
     from gds_offload.io.kvikio_engine import KvikIOEngine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     seen: list[bool] = []
-    monkeypatch.setattr(cp, "compat_fallback", lambda *, disable: seen.append(disable) or cp.CompatFallback(off, "because"))
+    # What the engine asks of cuFile's settings (the name it calls), answered without a driver.
+    monkeypatch.setattr(kvikio_engine, "compat_fallback", lambda *, disable: seen.append(disable) or cp.CompatFallback(off, "because"))
     config = tmp_path / "cufile.json"
     config.write_text("{}")
     monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(config))
@@ -515,7 +517,7 @@ def test_gds_engine_without_cuda_claims_no_gds() -> None:
 
 
 def test_only_mode_gds_by_name_is_strict(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gds_offload.io import select
+    from gds_offload.node import choice as select
 
     monkeypatch.setattr(select, "_gds_verdict", lambda path: (True, "usable"))
     assert select.choose_engine("gds", spill_dir).strict
@@ -525,7 +527,8 @@ def test_only_mode_gds_by_name_is_strict(spill_dir: Path, monkeypatch: pytest.Mo
 def test_attach_hands_the_choice_strictness_to_make_engine(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gds_offload
     from gds_offload.activations import offloader as hooks
-    from gds_offload.io.select import Choice, make_engine
+    from gds_offload.io.factory import make_engine
+    from gds_offload.node.choice import Choice
 
     seen: list[bool] = []
     monkeypatch.setattr(hooks, "choose_engine", lambda *a, **k: Choice("posix", "test", strict=True))

@@ -12,13 +12,15 @@ import pytest
 import torch
 from conftest import ENGINE_MODES, FILE_ENGINE_MODES, byte_view
 
-from gds_offload.activations.spill.store import ALIGN, Slot, SpillStore
+from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError
-from gds_offload.io import choose_engine, make_engine, validate_mode
+from gds_offload.io import make_engine, validate_mode
 from gds_offload.io import posix as posix_mod
-from gds_offload.io import select as select_mod
 from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.layout import ALIGN, Slot
 from gds_offload.io.pages import HUGE_PAGE, HostBufferPool, empty_like_head, map_anonymous, span_bytes
+from gds_offload.node import choice as select_mod
+from gds_offload.node.choice import choose_engine
 from gds_offload.units import parse_bandwidth
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]

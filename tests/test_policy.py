@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gds_offload
+from gds_offload.activations.planning.planners import make_planner
 from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError
 from gds_offload.activations.planning.profile import StepProfile, UnitProfile, simulate
 from gds_offload.errors import ConfigError
@@ -67,7 +68,7 @@ def test_simulate_peak_counts_kept_units_and_writes_in_flight() -> None:
 
 
 def test_adaptive_plan_keeps_from_the_end_until_io_hides() -> None:
-    pol = Adaptive(keep_last=1, warmup_steps=0)
+    pol = make_planner(Adaptive(keep_last=1, warmup_steps=0))
     pol.begin_forward(6)
     p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
     slow = StepProfile(p.units, write_bps=300e6, read_bps=300e6, io_wait_s=0, peak_resident_bytes=0, fixed_bytes=0)
@@ -80,7 +81,7 @@ def test_adaptive_plan_keeps_from_the_end_until_io_hides() -> None:
 
 
 def test_adaptive_replans_when_bandwidth_drops() -> None:
-    pol = Adaptive(keep_last=1, warmup_steps=0)
+    pol = make_planner(Adaptive(keep_last=1, warmup_steps=0))
     pol.begin_forward(6)
     p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
     fast = StepProfile(p.units, write_bps=5e9, read_bps=5e9, io_wait_s=0, peak_resident_bytes=0, fixed_bytes=0)
@@ -97,7 +98,7 @@ def test_adaptive_replans_when_bandwidth_drops() -> None:
 def test_adaptive_does_not_plan_from_its_warm_up_step() -> None:
     """A slow first step (buffers mapped, files grown) must not become the plan: with it, the
     plan would keep every unit and never measure the drive again."""
-    pol = Adaptive(keep_last=1)
+    pol = make_planner(Adaptive(keep_last=1))
     pol.begin_forward(6)
     p = _profile(7, fwd=0.05, bwd=0.1, nbytes=50 * MiB)
     cold = StepProfile(p.units, write_bps=1e6, read_bps=1e6, io_wait_s=2.0, peak_resident_bytes=0, fixed_bytes=0)
@@ -279,3 +280,20 @@ def test_budget_and_policy_together_is_an_error(gpt, spill_dir) -> None:
     model, _ = gpt
     with pytest.raises(ConfigError, match="either budget"):
         gds_offload.attach(model, path=spill_dir, policy="adaptive", budget="1GiB")
+
+
+def test_one_budget_given_to_two_offloaders_shares_no_measurement(spill_dir) -> None:
+    """A ``Budget`` is configuration: each ``attach()`` plans with state of its own, so a step of
+    one model is no measurement of the other, and the ``Budget`` itself is left as it was."""
+    cfg = GPTConfig(layers=2, hidden=64, heads=2, seq=32, vocab=128)
+    a, b = make_gpt(cfg, seed=0), make_gpt(cfg, seed=1)
+    batch = synthetic_batch(cfg, batch=2, seed=1)
+    budget = Budget("1GiB")
+    with gds_offload.attach(a, path=spill_dir, mode="posix", policy=budget, min_bytes=0) as off_a, \
+         gds_offload.attach(b, path=spill_dir, mode="posix", policy=budget, min_bytes=0) as off_b:  # fmt: skip
+        _step(a, batch)
+        assert "measured" in off_a.plan().reason, off_a.plan().reason
+        assert off_b.plan().reason.startswith("profiling"), "b ran no step: it has measured nothing"
+    assert budget == Budget("1GiB")
+    with pytest.raises(AttributeError):
+        budget.bytes = "2GiB"  # type: ignore[misc]  # frozen: configuration, not state

@@ -18,10 +18,11 @@ import pytest
 import torch
 from conftest import FILE_ENGINE_MODES, fstype, requires_root
 
-from gds_offload.activations.spill.store import ALIGN, GROW_BYTES, SpillStore
+from gds_offload.activations.spill.store import GROW_BYTES, SpillStore
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io import make_engine
 from gds_offload.io.directory import prepare_dir
+from gds_offload.io.layout import ALIGN
 
 REPO = Path(__file__).resolve().parent.parent
 

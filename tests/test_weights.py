@@ -21,6 +21,7 @@ from conftest import real_disk_base  # noqa: E402
 
 from gds_offload.cli import main as cli_main  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.io.layout import ALIGN  # noqa: E402
 from gds_offload.units import parse_bytes  # noqa: E402
 from gds_offload.weights import (  # noqa: E402
     ConfigMismatchError,
@@ -35,7 +36,6 @@ from gds_offload.weights import (  # noqa: E402
     read_manifest,
     verify_store,
 )
-from gds_offload.weights.manifest import GROUP_ALIGN  # noqa: E402
 
 LAYERS, VOCAB = 4, 256
 #: The module (the package's ``convert`` attribute is the function of that name).
@@ -104,7 +104,7 @@ def test_layout_is_aligned_and_one_range_per_layer(ckpt: Path, store: Path) -> N
     assert len(data) == m.files[0].nbytes
     end = 0
     for g in m.groups:  # groups in file order, each 4 KiB-aligned, padded with zeros
-        assert g.offset % GROUP_ALIGN == 0 and g.offset >= end
+        assert g.offset % ALIGN == 0 and g.offset >= end
         assert data[g.offset + g.nbytes : g.offset + g.padded_nbytes] == bytes(g.padded_nbytes - g.nbytes)
         end = g.offset + g.padded_nbytes
         members = sorted(m.tensors_of(g.name), key=lambda t: t.offset)

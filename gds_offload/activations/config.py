@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gds_offload.activations.planning.policy import Adaptive, Budget, OffloadAll, Policy
+from gds_offload.activations.planning.planners import make_planner
+from gds_offload.activations.planning.policy import Adaptive, Budget, OffloadAll, Policy, PolicyConfig
 from gds_offload.errors import ConfigError
-from gds_offload.io import Mode, validate_mode
 from gds_offload.io.directory import Origin, check_dir, spill_dir_origin
+from gds_offload.io.factory import Mode, validate_mode
 from gds_offload.units import checked_bool, checked_int, parse_bandwidth, parse_bytes
 
 __all__ = ["OffloadConfig", "OnError", "DEFAULT_MIN_BYTES"]
@@ -114,13 +115,18 @@ class OffloadConfig:
                     raise ConfigError(found.problem)
         return config
 
-    def make_policy(self) -> Policy:
-        """A fresh policy object of this configuration (a :class:`~gds_offload.activations.planning.policy.Budget` is used as given)."""
+    def policy_config(self) -> PolicyConfig:
+        """The frozen configuration of the policy asked for (a :class:`~gds_offload.activations.planning.policy.Budget` as given)."""
         if isinstance(self.policy, Budget):
             return self.policy
         if self.policy == "adaptive":
             return Adaptive(keep_last=self.keep_last)
         return OffloadAll(keep_last=self.keep_last)
+
+    def make_policy(self) -> Policy:
+        """A new planner for this configuration, with state of its own: never the user's ``Budget``
+        itself, so one ``Budget`` given to two ``attach()`` calls shares no measurement."""
+        return make_planner(self.policy_config())
 
 
 def _checked_on_error(value: object) -> OnError:

@@ -10,20 +10,19 @@ callback holds them, never the offloader, so a model dropped without ``detach()`
 back its threads, descriptors and disk space when the collector frees it (the ownership
 note in :mod:`gds_offload.activations.offloader`).
 
-Contracts: the finalizer never runs at interpreter exit (the process's descriptors close
-with it, and exit must not wait for a write backlog); a release the collector starts off
-the main thread runs on a thread of its own (an engine worker cannot join its own pool).
-Nothing here imports torch.
+The finalizer follows the package's one discipline (:mod:`gds_offload.io.release`, shared
+with the weight half's streamed models): never at interpreter exit, and off the main thread
+on a thread of its own. Nothing here imports torch.
 """
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from gds_offload.io.release import release_when_collected
+
 if TYPE_CHECKING:
-    from gds_offload.activations.offloader import Offloader
     from gds_offload.activations.spill.store import SpillStore
     from gds_offload.io.base import Engine
 
@@ -60,12 +59,11 @@ def _unguarded(forward: Any) -> Any:
     return forward
 
 
-def release_finalizer(owner: Offloader, engine: Engine, store: SpillStore) -> weakref.finalize:
-    """Close ``engine`` and ``store`` when ``owner`` is collected (never at interpreter exit:
-    the process's descriptors close with it, and exit must not wait for a write backlog)."""
-    fin = weakref.finalize(owner, _release_from_gc, engine, store)
-    fin.atexit = False
-    return fin
+def release_finalizer(owner: object, engine: Engine, store: SpillStore) -> weakref.finalize:
+    """Close ``engine`` and ``store`` when ``owner`` is collected
+    (:func:`~gds_offload.io.release.release_when_collected`: never at interpreter exit, off the
+    main thread on a thread of its own)."""
+    return release_when_collected(owner, release, engine, store)
 
 
 def release(engine: Engine, store: SpillStore) -> None:
@@ -74,14 +72,4 @@ def release(engine: Engine, store: SpillStore) -> None:
         engine.close()
     finally:
         store.close()
-
-
-def _release_from_gc(engine: Engine, store: SpillStore) -> None:
-    """:func:`release` for an offloader the collector freed. The collector may run on any
-    thread, an engine worker included, which cannot join its own pool: off the main thread
-    the release runs on a short-lived thread of its own."""
-    if threading.current_thread() is threading.main_thread():
-        release(engine, store)
-    else:
-        threading.Thread(target=release, args=(engine, store), name="gds_offload-release", daemon=True).start()
 

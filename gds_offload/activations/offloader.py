@@ -62,10 +62,12 @@ from gds_offload.activations.lifetime import InterruptGuard, release, release_fi
 from gds_offload.activations.planning.policy import Plan
 from gds_offload.activations.scheduler.core import Scheduler
 from gds_offload.activations.scheduler.state import SchedulerConfig
-from gds_offload.activations.spill.store import Slot, SpillStore
+from gds_offload.activations.spill.store import SpillStore
 from gds_offload.activations.stats import OffloadStats
-from gds_offload.io import choose_engine, make_engine
 from gds_offload.io.base import Engine
+from gds_offload.io.factory import make_engine
+from gds_offload.io.layout import Slot
+from gds_offload.node.choice import choose_engine
 
 __all__ = ["Offloader"]
 

@@ -57,20 +57,9 @@ def _drop_cache(files: list[Any]) -> None:
 # one engine
 # ---------------------------------------------------------------------------------------
 def _make(mode: str, num_threads: int | None, chunk_bytes: int | None) -> Any:
-    from gds_offload.io import make_engine
+    from gds_offload.io.factory import make_engine
 
-    if chunk_bytes is None:
-        return make_engine(mode, num_threads=num_threads)  # type: ignore[arg-type]
-    if mode == "posix":
-        from gds_offload.io.posix import DEFAULT_THREADS, PosixEngine
-
-        return PosixEngine(num_threads=num_threads or DEFAULT_THREADS, chunk_bytes=chunk_bytes)
-    if mode in ("compat", "gds"):
-        from gds_offload.io.kvikio_engine import DEFAULT_THREADS as KVIK_THREADS
-        from gds_offload.io.kvikio_engine import KvikIOEngine
-
-        return KvikIOEngine(mode, num_threads=num_threads or KVIK_THREADS, task_bytes=chunk_bytes)  # type: ignore[arg-type]
-    return make_engine(mode, num_threads=num_threads)  # type: ignore[arg-type]
+    return make_engine(mode, num_threads=num_threads, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
 
 
 def _memory(memory: str) -> str:
@@ -280,7 +269,7 @@ def run_bench(
     figure (the mean of the raw runs before and after, both kept in ``raw["samples"]``). ``progress(str)`` is called before each measurement (for a CLI status line).
     Engines that cannot run here (no KvikIO) land in ``skipped`` with the reason.
     """
-    from gds_offload.io import validate_mode
+    from gds_offload.io.factory import validate_mode
 
     for e in engines:
         if validate_mode(e) == "auto":

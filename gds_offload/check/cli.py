@@ -14,6 +14,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
 from gds_offload.io.directory import Origin, spill_dir_origin
+from gds_offload.io.layout import ALIGN
 from gds_offload.node.collect import NodeReport, collect_node
 from gds_offload.node.findings import CheckResult
 from gds_offload.node.verdict import Verdict, decide, report_checks, worst_verdict
@@ -42,8 +43,8 @@ def _size(text: str) -> int:
         value = parse_bytes(text, name="--size")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 4096:
-        raise argparse.ArgumentTypeError(f"--size={text!r} is below 4096 bytes; pass e.g. 256MiB")
+    if value < ALIGN:
+        raise argparse.ArgumentTypeError(f"--size={text!r} is below {ALIGN} bytes; pass e.g. 256MiB")
     return value
 
 

@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     from gds_offload.bench.io import run_bench
     from gds_offload.errors import ConfigError
-    from gds_offload.io import validate_mode
     from gds_offload.io.directory import prepare_dir, spill_dir_origin
+    from gds_offload.io.factory import validate_mode
     from gds_offload.units import parse_bytes
 
     err = Console(stderr=True)

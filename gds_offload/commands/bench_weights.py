@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
     from gds_offload.commands.run_args import resolve_device
     from gds_offload.errors import ConfigError
-    from gds_offload.io import validate_mode
+    from gds_offload.io.factory import validate_mode
 
     try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)

@@ -21,9 +21,10 @@ def collect(path: Path | None) -> dict[str, object]:
 
     from gds_offload import __version__
     from gds_offload.activations.spill.store import SpillStore
-    from gds_offload.io import choose_engine, make_engine
     from gds_offload.io.directory import Origin, spill_dir_origin
+    from gds_offload.io.factory import make_engine
     from gds_offload.io.kvikio_engine import kvikio_status
+    from gds_offload.node.choice import choose_engine
 
     origin: Origin
     path, origin = (path, "--path") if path else spill_dir_origin()

@@ -8,7 +8,7 @@ tokens: window ``i`` is ``input_ids = w[:-1]``, ``labels = w[1:]``. Consecutive 
 the token stream overlap by one token, so every window stands alone and can be shuffled.
 
 The ``.npy`` header (format 1.0, which DALI reads) is padded with spaces to
-:data:`ALIGN_BYTES`, so the tokens start on a 4 KiB boundary: a GPUDirect Storage read of
+:data:`~gds_offload.io.layout.ALIGN`, so the tokens start on a 4 KiB boundary: a GPUDirect Storage read of
 the data is aligned at its start in the file, and DALI's reader places it at the start of
 a ``cudaMalloc`` buffer. See :mod:`gds_offload.data` for why the unit of a read is a file.
 
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from gds_offload.errors import ConfigError
+from gds_offload.io.layout import ALIGN
 
 __all__ = [
-    "ALIGN_BYTES",
     "TOKEN_DTYPES",
     "MANIFEST_NAME",
     "FORMAT",
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 #: Where the token data of a shard starts (bytes): the header is padded to this.
-ALIGN_BYTES = 4096
 #: Token dtypes a shard may hold (little-endian).
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 #: The manifest the shard writer leaves beside the shards.
@@ -199,11 +198,11 @@ def shard_name(index: int) -> str:
 
 
 def _header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
-    """A format 1.0 ``.npy`` header padded with spaces to :data:`ALIGN_BYTES`."""
+    """A format 1.0 ``.npy`` header padded with spaces to :data:`~gds_offload.io.layout.ALIGN`."""
     text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
-    pad = ALIGN_BYTES - len(_MAGIC) - 4 - len(text) - 1
+    pad = ALIGN - len(_MAGIC) - 4 - len(text) - 1
     if pad < 0:
-        raise ShardError(f"a header for shape {shape} does not fit in {ALIGN_BYTES} bytes")
+        raise ShardError(f"a header for shape {shape} does not fit in {ALIGN} bytes")
     body = text.encode("latin1") + b" " * pad + b"\n"
     return _MAGIC + b"\x01\x00" + struct.pack("<H", len(body)) + body
 
@@ -268,7 +267,7 @@ def write_shard(path: Path, windows: np.ndarray) -> ShardFile:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return ShardFile(path, int(arr.shape[0]), int(arr.shape[1]), arr.dtype.name, ALIGN_BYTES)
+    return ShardFile(path, int(arr.shape[0]), int(arr.shape[1]), arr.dtype.name, ALIGN)
 
 
 def _parse_header(path: Path, head: bytes) -> tuple[dict[str, Any], int]:

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from gds_offload.data.format import (
-    ALIGN_BYTES,
     FORMAT,
     MANIFEST_NAME,
     ShardEntry,
@@ -36,6 +35,7 @@ from gds_offload.data.format import (
     write_index,
     write_shard,
 )
+from gds_offload.io.layout import ALIGN
 
 __all__ = [
     "BYTE_VOCAB",
@@ -66,7 +66,7 @@ def windows_per_file_for(seq: int, dtype: str | np.dtype, file_bytes: int = DEFA
     hold a multiple of 2048 windows (about 2.1 MB each at the default 4 MiB target).
     """
     row_bytes = (seq + 1) * np.dtype(dtype).itemsize
-    unit = ALIGN_BYTES // math.gcd(row_bytes, ALIGN_BYTES)
+    unit = ALIGN // math.gcd(row_bytes, ALIGN)
     return max(unit, (file_bytes // row_bytes) // unit * unit)
 
 

@@ -34,7 +34,7 @@ import torch
 from gds_offload.errors import OffloadError
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
     from gds_offload.io.limits import TokenBucket
 
 __all__ = ["Engine", "EngineStats", "IOFuture", "Direction"]

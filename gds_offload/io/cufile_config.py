@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from gds_offload.node.reader import Reader, env_map
-
 __all__ = ["CufileConfig", "CUFILE_REPORTED_KEYS", "strip_json_comments", "read_cufile_config"]
 
 _MISSING = object()
@@ -125,15 +123,16 @@ def read_cufile_config(root: Path = Path("/"), env: Mapping[str, str] | None = N
     Returns:
         The settings listed in :data:`CUFILE_REPORTED_KEYS` that the file sets.
     """
-    env = env_map(env)
+    env = os.environ if env is None else env
     configured = env.get("CUFILE_ENV_PATH_JSON", "").strip()
     shown = configured or "/etc/cufile.json"
-    reader = Reader(root)
-    path = reader.at(shown) if shown.startswith("/") else Path(shown)
+    path = root / shown.lstrip("/") if shown.startswith("/") else Path(shown)
     if not path.exists():
         return CufileConfig(shown, False)
-    text = reader.text(path, limit=1 << 20)
-    if text is None:
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 20).decode("utf-8", "replace")
+    except OSError:
         return CufileConfig(shown, True, error=f"{shown} is not readable by uid {os.geteuid()}")
     try:
         data = json.loads(strip_json_comments(text))

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from gds_offload.io.cufile_config import read_cufile_config
+
 __all__ = ["CompatFallback", "compat_fallback", "load_libcufile"]
 
 #: ``CUFileBoolConfigParameter_t`` (cufile.h, cuFile 1.14).
@@ -88,8 +90,6 @@ def _truthy(value: str | None) -> bool:
 
 def _from_config(env: Mapping[str, str]) -> CompatFallback:
     """What ``cufile.json`` (and ``CUFILE_FORCE_COMPAT_MODE``) will make of the fallback at driver open."""
-    from gds_offload.io.cufile_config import read_cufile_config
-
     cfg = read_cufile_config(env=env)
     if _truthy(env.get("CUFILE_FORCE_COMPAT_MODE")):
         return CompatFallback(False, "CUFILE_FORCE_COMPAT_MODE is set: cuFile serves every file through POSIX")

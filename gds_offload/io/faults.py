@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -55,10 +55,9 @@ from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Direction, Engine, EngineStats, IOFuture, io_error
 
 if TYPE_CHECKING:
-    from gds_offload.activations.offloader import Offloader
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
 
-__all__ = ["Fault", "FaultyEngine", "inject", "parse_faults"]
+__all__ = ["Fault", "FaultyEngine", "UsesEngine", "inject", "parse_faults"]
 
 Kind = Literal["enospc", "eio", "short", "corrupt", "late", "hold", "raise"]
 _KINDS: tuple[str, ...] = ("enospc", "eio", "short", "corrupt", "late", "hold", "raise")
@@ -367,19 +366,38 @@ def _chain(
     return out
 
 
-def inject(off: Offloader, *faults: Fault | str) -> FaultyEngine:
-    """Wrap ``off``'s engine in a :class:`FaultyEngine` (call before the first step, with no I/O in flight).
+class UsesEngine(Protocol):
+    """What :func:`inject` needs of its target: the engine it uses, and a way to hand it
+    another (an attached :class:`~gds_offload.Offloader`, a
+    :class:`~gds_offload.weights.StreamedModel`)."""
+
+    @property
+    def engine(self) -> Engine | None: ...
+
+    def use_engine(self, engine: Engine) -> Any: ...
+
+
+def inject(target: UsesEngine, *faults: Fault | str) -> FaultyEngine:
+    """Wrap ``target``'s engine in a :class:`FaultyEngine` (call before the first step, with no I/O in flight).
 
     Args:
-        off: an attached offloader.
+        target: anything with ``.engine`` and ``.use_engine(engine)``: an attached offloader,
+            a streamed model.
         faults: :class:`Fault` objects or spec strings (``"write:enospc:3"``).
 
+    Raises:
+        ConfigError: ``target`` uses no engine (a streamed model whose layers are all resident).
+
     Returns:
-        The wrapper; ``off.detach()`` closes it and the wrapped engine.
+        The wrapper; the target closes it and the wrapped engine when it closes its own
+        (``off.detach()``).
     """
     parsed: list[Fault] = []
     for f in faults:
         parsed.extend(parse_faults(f) if isinstance(f, str) else [f])
-    engine = FaultyEngine(off.engine, parsed)
-    off.use_engine(engine)
+    inner = target.engine
+    if inner is None:
+        raise ConfigError(f"inject: {type(target).__name__} has no engine to wrap (it reads nothing from a drive)")
+    engine = FaultyEngine(inner, parsed)
+    target.use_engine(engine)
     return engine

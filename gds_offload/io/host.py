@@ -17,7 +17,7 @@ import torch
 from gds_offload.io.base import Engine, io_error
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
     from gds_offload.io.limits import TokenBucket
 
 __all__ = ["HostEngine"]

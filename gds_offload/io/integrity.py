@@ -37,7 +37,7 @@ from gds_offload.errors import OffloadError
 from gds_offload.io.base import IOFuture
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
 
 __all__ = ["checksum", "checked_read", "checked_write"]
 

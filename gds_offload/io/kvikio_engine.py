@@ -55,14 +55,15 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import numpy as np
 import torch
 
-from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.base import Direction, io_error
+from gds_offload.io.cufile_params import compat_fallback
+from gds_offload.io.layout import ALIGN, align_up
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, own_pages
 from gds_offload.io.staging import SideStreams, StagingPool, copy_in_chunks, copy_out_chunks, on_device, padded
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot, SpillFile
+    from gds_offload.io.layout import File, Slot
     from gds_offload.io.limits import TokenBucket
 
 __all__ = ["KvikIOEngine", "cufile_config_path", "kvikio_status"]
@@ -131,6 +132,8 @@ class KvikIOEngine(PageSpanEngine):
             event and for KvikIO's futures, so the caller never blocks (``None``: ``num_threads``).
         limiter: a bandwidth cap shared by reads and writes.
         read_pool_bytes: idle host read buffers kept for reuse (:class:`~gds_offload.io.pages.HostBufferPool`).
+        read_only: open files for reading only (a weight store may be shared, or on a read-only
+            mount); spill files are opened ``r+``.
 
     Attributes:
         uses_gds: device memory goes to and from the drive by DMA, or fails: a ``gds`` engine
@@ -153,6 +156,7 @@ class KvikIOEngine(PageSpanEngine):
         issue_threads: int | None = None,
         limiter: TokenBucket | None = None,
         read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES,
+        read_only: bool = False,
     ) -> None:
         ok, why = kvikio_status()
         if not ok:
@@ -173,8 +177,10 @@ class KvikIOEngine(PageSpanEngine):
             }
         )
         self.task_bytes = task_bytes
-        # Keyed by the SpillFile itself (identity), not its id: ids restart at 0 in every store.
-        self._handles: dict[SpillFile, Any] = {}
+        #: How handles open their files (opening goes through :meth:`_handle`, under the process-wide compat-mode lock).
+        self.open_flags = "r" if read_only else "r+"
+        # Keyed by the File itself (identity), not its id: ids restart at 0 in every store.
+        self._handles: dict[File, Any] = {}
         self._handles_lock = threading.Lock()
         # One issue thread per KvikIO thread: tensors smaller than a task are one KvikIO call
         # each, so fewer issue threads would cap the requests in flight.
@@ -185,8 +191,6 @@ class KvikIOEngine(PageSpanEngine):
         self.stream_io = False
         how = "host memory only (no CUDA device)"
         if mode == "gds" and torch.cuda.is_available():
-            from gds_offload.io.cufile_params import compat_fallback
-
             fallback = compat_fallback(disable=strict)
             if strict and not fallback.off:
                 self._pool.shutdown(wait=False)
@@ -220,10 +224,7 @@ class KvikIOEngine(PageSpanEngine):
                 h.close()
             self._handles.clear()
 
-    #: How handles open their files: spill files are read and written.
-    open_flags = "r+"
-
-    def _handle(self, f: SpillFile) -> Any:
+    def _handle(self, f: File) -> Any:
         with self._handles_lock:
             h = self._handles.get(f)
             if h is None:
@@ -234,7 +235,7 @@ class KvikIOEngine(PageSpanEngine):
                     if self.name == "gds":
                         raise GDSUnavailableError(
                             f"cuFile could not open {f.describe()} in GDS mode ({exc}); "
-                            f"run gds-check --path {f.dir} for the reason, or use mode='compat'"
+                            f"run gds-check --path {f.directory} for the reason, or use mode='compat'"
                         ) from exc
                     raise
                 self._handles[f] = h

@@ -35,17 +35,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.io.base import Engine, EngineStats
+from gds_offload.io.layout import ALIGN, align_up, aligned_view
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
     from gds_offload.io.limits import TokenBucket
 
-__all__ = ["DEFAULT_POOL_IDLE_BYTES", "HUGE_PAGE", "PAGE", "HostBufferPool", "PageSpanEngine", "SlotHeads", "empty_like_head", "head_of", "map_anonymous", "own_pages", "pages_around", "span_bytes", "writable_head"]
+__all__ = ["DEFAULT_POOL_IDLE_BYTES", "HUGE_PAGE", "HostBufferPool", "PageSpanEngine", "SlotHeads", "empty_like_head", "head_of", "map_anonymous", "own_pages", "pages_around", "span_bytes", "writable_head"]
 
-#: The alignment of the spans, in memory and in the file.
-PAGE = ALIGN
 #: A transparent huge page (x86-64 and most arm64 kernels).
 HUGE_PAGE = 2 << 20
 #: Idle read buffers a pool keeps by default: about two layers of the demo model.
@@ -57,7 +55,7 @@ _TORCH_ALIGN = 64
 
 def head_of(buf: torch.Tensor) -> int:
     """Bytes between the page boundary below ``buf``'s first byte and that byte."""
-    return buf.data_ptr() % PAGE
+    return buf.data_ptr() % ALIGN
 
 
 def writable_head(src: torch.Tensor, slot: Slot) -> int | None:
@@ -70,14 +68,14 @@ def writable_head(src: torch.Tensor, slot: Slot) -> int | None:
     if src.device.type != "cpu" or not slot.file.direct or not src.numel():
         return None
     head = head_of(src)
-    if head % _TORCH_ALIGN or align_up(head + src.numel(), PAGE) > slot.nbytes:
+    if head % _TORCH_ALIGN or align_up(head + src.numel(), ALIGN) > slot.nbytes:
         return None
     return head
 
 
 def span_bytes(nbytes: int) -> int:
     """Slot bytes that hold the page span of ``nbytes`` bytes wherever they start in a page."""
-    return align_up(nbytes) + PAGE
+    return align_up(nbytes) + ALIGN
 
 
 def pages_around(buf: torch.Tensor) -> memoryview:
@@ -87,7 +85,7 @@ def pages_around(buf: torch.Tensor) -> memoryview:
     since a page is mapped whole). The caller keeps ``buf`` alive while the view is used.
     """
     head = head_of(buf)
-    length = align_up(head + buf.numel(), PAGE)
+    length = align_up(head + buf.numel(), ALIGN)
     return memoryview((ctypes.c_ubyte * length).from_address(buf.data_ptr() - head)).cast("B")
 
 
@@ -109,13 +107,11 @@ def empty_like_head(nbytes: int, head: int, pool: HostBufferPool | None = None) 
     The tensor is a view at a storage offset, a multiple of 64 like ``head`` (so a view of
     any dtype made from it is as aligned as one made by torch's allocator).
     """
-    assert head % _TORCH_ALIGN == 0 and 0 <= head < PAGE, f"head {head} is not a multiple of {_TORCH_ALIGN} below {PAGE}"
+    assert head % _TORCH_ALIGN == 0 and 0 <= head < ALIGN, f"head {head} is not a multiple of {_TORCH_ALIGN} below {ALIGN}"
     if pool is not None:
         # One length per nbytes whatever the head, so the same tensors find their buffers each step.
         return pool.take(span_bytes(nbytes))[head : head + nbytes]
-    raw = torch.empty(span_bytes(nbytes) + PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip + head : skip + head + nbytes]
+    return aligned_view(torch.empty(span_bytes(nbytes) + ALIGN, dtype=torch.uint8), nbytes, head)
 
 
 def map_anonymous(length: int) -> mmap.mmap:
@@ -158,7 +154,7 @@ class HostBufferPool:
         self.reused = 0
 
     def take(self, length: int) -> torch.Tensor:
-        """A uint8 tensor of ``length`` bytes (a multiple of :data:`PAGE`) at a page boundary."""
+        """A uint8 tensor of ``length`` bytes (a multiple of :data:`~gds_offload.io.layout.ALIGN`) at a page boundary."""
         with self._lock:
             free = self._free.get(length)
             mm = free.pop() if free else None

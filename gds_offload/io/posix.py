@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gds_offload.activations.spill.store import ALIGN, align_up
 from gds_offload.io.base import Direction, io_error
+from gds_offload.io.layout import ALIGN, align_up
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, map_anonymous
 from gds_offload.io.staging import StagingPool, copy_out_chunks, on_device, padded
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
+    from gds_offload.io.layout import Slot
     from gds_offload.io.limits import TokenBucket
 
 __all__ = ["PosixEngine"]

@@ -56,7 +56,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from gds_offload.activations.spill.store import ALIGN, align_up
+from gds_offload.io.layout import ALIGN, align_up, aligned_view
 
 T = TypeVar("T")
 
@@ -122,9 +122,7 @@ class Staging:
 
     def _aligned(self, nbytes: int) -> torch.Tensor:
         # torch's pinned allocator promises no page alignment; O_DIRECT needs it.
-        raw = self.backend.pinned(nbytes + ALIGN)
-        skip = -raw.data_ptr() % ALIGN
-        return raw[skip : skip + nbytes]
+        return aligned_view(self.backend.pinned(nbytes + ALIGN), nbytes)
 
     def copy_out(self, i: int, src: torch.Tensor) -> None:
         """Queue ``buffers[i][:n] <- src`` (``n = src.numel()`` bytes of device memory) on the side stream."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gds_offload.io.directory import Origin, check_dir, default_spill_dir  # one definition each, shared with attach()
+from gds_offload.io.layout import ALIGN
 from gds_offload.node.reader import Reader, int_or_none, sysfs_pci_dir, sysfs_pci_path
 
 __all__ = [
@@ -241,7 +242,7 @@ def probe_o_direct(directory: Path, *, named_fallback: bool = True) -> tuple[boo
     if not hasattr(os, "O_DIRECT"):
         return None, "this platform has no O_DIRECT"
     flags = os.O_RDWR | os.O_DIRECT
-    block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    block = mmap.mmap(-1, ALIGN)  # page-aligned, as O_DIRECT needs
     try:
         try:
             fd = os.open(directory, os.O_TMPFILE | flags, 0o600)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from gds_offload.errors import ConfigError
-from gds_offload.weights.manifest import DTYPE_SIZES, GROUP_ALIGN, RESIDENT, GroupEntry, TensorEntry
+from gds_offload.io.layout import ALIGN, align_up
+from gds_offload.weights.manifest import DTYPE_SIZES, RESIDENT, GroupEntry, TensorEntry
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 __all__ = ["CheckpointTensor", "Checkpoint", "find_checkpoint", "group_tensors", "plan_layout", "SAFETENSORS_DTYPES"]
@@ -177,10 +178,6 @@ def group_tensors(names: list[str], layer_prefix: str | None = None) -> tuple[st
     return layer_prefix, where
 
 
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
 def plan_layout(
     tensors: list[CheckpointTensor],
     where: dict[str, int | None],
@@ -192,13 +189,13 @@ def plan_layout(
     """Offsets for every group and tensor: ``(groups, tensors, file sizes)``.
 
     The resident group comes first in file 0; layer ``i`` (the ``i``-th in index order) goes
-    to file ``i % n_files``. Groups start at multiples of :data:`GROUP_ALIGN` and take their
+    to file ``i % n_files``. Groups start at multiples of :data:`~gds_offload.io.layout.ALIGN` and take their
     size rounded up to it; tensors inside start at multiples of ``tensor_align``. Checksums
     are left 0 (the converter fills them in as it writes). A tensor also starts at a multiple of
     its element size, should ``tensor_align`` be smaller (its view in a group's buffer needs it).
     """
-    if tensor_align < 1 or GROUP_ALIGN % tensor_align:
-        raise ConfigError(f"tensor_align={tensor_align}: must divide {GROUP_ALIGN} (64 or 4096 are usual)")
+    if tensor_align < 1 or ALIGN % tensor_align:
+        raise ConfigError(f"tensor_align={tensor_align}: must divide {ALIGN} (64 or 4096 are usual)")
     members: dict[int | None, list[CheckpointTensor]] = {}
     for t in tensors:
         members.setdefault(where[t.name], []).append(t)
@@ -212,11 +209,11 @@ def plan_layout(
         start = sizes[file]
         cursor = 0
         for t in members[layer]:
-            cursor = _align(cursor, max(tensor_align, DTYPE_SIZES[t.dtype]))
+            cursor = align_up(cursor, max(tensor_align, DTYPE_SIZES[t.dtype]))
             entries.append(TensorEntry(t.name, t.dtype, t.shape, name, start + cursor, t.nbytes))
             cursor += t.nbytes
         groups.append(GroupEntry(name, layer, file, start, cursor, 0))
-        sizes[file] = start + _align(cursor, GROUP_ALIGN)
+        sizes[file] = start + align_up(cursor)
     return groups, entries, sizes
 
 

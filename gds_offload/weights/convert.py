@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from gds_offload.activations.spill.store import Slot, SpillFile
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import IOFuture
+from gds_offload.io.factory import make_engine
 from gds_offload.io.integrity import checksum
-from gds_offload.io.posix import PosixEngine
+from gds_offload.io.layout import File, Slot
 from gds_offload.units import format_bytes
 from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
@@ -208,7 +208,7 @@ def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]], *
     manifest = read_manifest(first)
     dirs = resolve_dirs(store, manifest)
     files = StoreFiles(dirs, manifest)
-    engine = PosixEngine(num_threads=4, read_pool_bytes=0)
+    engine = make_engine("posix", read_only=True, num_threads=4, read_pool_bytes=0)
     start = time.perf_counter()
     try:
         largest = max((g.padded_nbytes for g in manifest.groups), default=0)
@@ -300,14 +300,15 @@ def _write_groups(
 ) -> tuple[list[GroupEntry], list[TensorEntry]]:
     """Pack, hash and write every group; returns the groups and the tensors with their checksums."""
     total, issued = manifest.total_nbytes(), 0
-    files = [SpillFile(id=i, dir=Path(manifest.dirs[manifest.files[i].dir]), fd=fd, direct=direct) for i, (fd, direct) in enumerate(fds)]
+    files = [File(id=i, path=Path(manifest.dirs[e.dir]) / e.path, fd=fd, direct=direct, unnamed=False, what="weight store file")
+             for i, (e, (fd, direct)) in enumerate(zip(manifest.files, fds))]
     largest = max((g.padded_nbytes for g in manifest.groups), default=0)
     buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
     in_flight: list[IOFuture | None] = [None, None]
     members: dict[str, list[TensorEntry]] = {}
     for t in manifest.tensors:
         members.setdefault(t.group, []).append(t)
-    engine = PosixEngine(num_threads=4, read_pool_bytes=0)
+    engine = make_engine("posix", num_threads=4, read_pool_bytes=0)
     done: list[GroupEntry] = []
     hashes: dict[str, int] = {}
     try:

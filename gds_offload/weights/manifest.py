@@ -2,7 +2,7 @@
 
 A store is a directory (or several, striped) holding ``weights.bin`` and ``manifest.json``.
 The file is a sequence of *groups*, each one contiguous range starting at a multiple of
-:data:`GROUP_ALIGN` (4 KiB) and padded with zeros to the next one, so each group is one
+:data:`~gds_offload.io.layout.ALIGN` (4 KiB) and padded with zeros to the next one, so each group is one
 aligned ``O_DIRECT`` (or cuFile) read:
 
 * ``resident``: everything outside the repeated blocks (embeddings, final norm, ``lm_head``);
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gds_offload.io.layout import ALIGN, align_up
 from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.store_config import (
     VOLATILE_CONFIG_KEYS,
@@ -45,7 +46,6 @@ __all__ = [
     "DTYPE_SIZES",
     "FORMAT",
     "FORMAT_VERSION",
-    "GROUP_ALIGN",
     "RESIDENT",
     "MANIFEST_NAME",
     "VOLATILE_CONFIG_KEYS",
@@ -63,8 +63,6 @@ FORMAT = "gds_offload.weights"
 #: Format 2 adds each tensor's checksum and ``generation_config_sha256``; format 1 stores still load.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-#: Groups start at multiples of this (the ``O_DIRECT`` and cuFile alignment).
-GROUP_ALIGN = 4096
 #: Name of the group of non-repeated tensors.
 RESIDENT = "resident"
 MANIFEST_NAME = "manifest.json"
@@ -109,8 +107,8 @@ class GroupEntry:
 
     @property
     def padded_nbytes(self) -> int:
-        """Bytes of the file the group occupies (``nbytes`` rounded up to :data:`GROUP_ALIGN`)."""
-        return -(-self.nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        """Bytes of the file the group occupies (``nbytes`` rounded up to :data:`~gds_offload.io.layout.ALIGN`)."""
+        return align_up(self.nbytes)
 
     def describe(self) -> str:
         return "the resident group" if self.layer is None else f"layer {self.layer} ({self.name})"
@@ -299,8 +297,8 @@ def _validate(m: Manifest, where: str) -> None:
     def bad(msg: str) -> StoreFormatError:
         return StoreFormatError(f"{where}: {msg}; the store is damaged or was edited, convert the checkpoint again")
 
-    if m.tensor_align < 1 or GROUP_ALIGN % m.tensor_align:
-        raise bad(f"tensor_align {m.tensor_align} does not divide {GROUP_ALIGN}")
+    if m.tensor_align < 1 or ALIGN % m.tensor_align:
+        raise bad(f"tensor_align {m.tensor_align} does not divide {ALIGN}")
     if len({(f.dir, f.path) for f in m.files}) != len(m.files):
         raise bad("two data files are one file (same directory and name)")
     if {f.dir for f in m.files} != set(range(len({f.dir for f in m.files}))):
@@ -332,8 +330,8 @@ def _validate(m: Manifest, where: str) -> None:
             last_layer = g.layer
         if not 0 <= g.file < len(m.files):
             raise bad(f"group {g.name} names file #{g.file}, which does not exist")
-        if g.offset % GROUP_ALIGN:
-            raise bad(f"group {g.name} starts at {g.offset}, not a multiple of {GROUP_ALIGN}")
+        if g.offset % ALIGN:
+            raise bad(f"group {g.name} starts at {g.offset}, not a multiple of {ALIGN}")
         if g.offset + g.padded_nbytes > m.files[g.file].nbytes:
             raise bad(f"group {g.name} ({g.nbytes} bytes at {g.offset}) ends past the end of {m.files[g.file].path} ({m.files[g.file].nbytes} bytes)")
         _check_members(g, members[g.name], m.tensor_align, numbered, bad)

@@ -37,12 +37,12 @@ import torch
 
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine, IOFuture
-from gds_offload.io.kvikio_engine import KvikIOEngine
-from gds_offload.io.posix import PosixEngine
-from gds_offload.io.select import choose_engine
+from gds_offload.io.factory import make_engine
+from gds_offload.io.layout import ALIGN, aligned_view
+from gds_offload.node.choice import choose_engine
 from gds_offload.weights.errors import StoreCorruptError
 from gds_offload.weights.interrupts import wait_done
-from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry
+from gds_offload.weights.manifest import GroupEntry
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group
 
 if TYPE_CHECKING:
@@ -275,24 +275,15 @@ def _pin(arena: torch.Tensor) -> bool:
 def _aligned_device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of device memory starting at a 4 KiB boundary (cuFile's direct path DMAs
     aligned buffers; the caching allocator only promises 512 bytes). The view keeps its block alive."""
-    raw = torch.empty(nbytes + GROUP_ALIGN, dtype=torch.uint8, device=device)
-    skip = -raw.data_ptr() % GROUP_ALIGN
-    return raw[skip : skip + nbytes]
-
-
-class _StoreKvikIO(KvikIOEngine):
-    """A KvikIO engine that opens the store's files read-only (a store may be shared, or on a
-    read-only mount; the offloader's spill files are opened ``r+``). Opening goes through the
-    base engine, under its process-wide compat-mode lock."""
-
-    open_flags = "r"
+    return aligned_view(torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device), nbytes)
 
 
 def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: int | None) -> Engine:
     """The engine for a ring's reads: ``mode`` (``auto``, ``gds``, ``compat``, ``posix``) resolved by
-    :func:`~gds_offload.io.select.choose_engine` for ``device`` (``auto`` on the CPU: posix;
+    :func:`~gds_offload.node.choice.choose_engine` for ``device`` (``auto`` on the CPU: posix;
     on a GPU: gds where usable, else compat, else posix), with ``num_threads`` (``None``: the
-    engine's default; posix on the CPU: 4).
+    engine's default; posix on the CPU: 4, on a GPU: 8). Files are opened read-only (a store may
+    be shared, or on a read-only mount), and no read buffers are pooled: fills land in the ring's.
 
     Raises:
         ConfigError: ``mode="host"`` (use ``tier="host"``), or an engine not usable here.
@@ -300,10 +291,10 @@ def make_read_engine(mode: str, device: torch.device, path: Path, num_threads: i
     """
     if mode == "host":
         raise ConfigError("engine='host' keeps no files to read; for layers in host memory use tier='host'")
-    choice = choose_engine(mode, path, device=device.type)  # type: ignore[arg-type]
-    if choice.engine in ("gds", "compat"):
-        return _StoreKvikIO(choice.engine, strict=choice.strict, **({"num_threads": num_threads} if num_threads else {}), read_pool_bytes=0)  # type: ignore[arg-type]
-    return PosixEngine(num_threads=num_threads or (4 if device.type == "cpu" else 8), read_pool_bytes=0)
+    choice = choose_engine(mode, path, device=device.type)  # type: ignore[arg-type]  # validated by choose_engine
+    if choice.engine == "posix" and not num_threads:
+        num_threads = 4 if device.type == "cpu" else 8
+    return make_engine(choice.engine, strict=choice.strict, read_only=True, num_threads=num_threads, read_pool_bytes=0)
 
 
 def make_ring(

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from gds_offload.activations.spill.store import Slot, SpillFile
 from gds_offload.errors import OffloadError
 from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.integrity import checksum
+from gds_offload.io.layout import ALIGN, File, Slot, align_up
 from gds_offload.io.pages import map_anonymous
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
-from gds_offload.weights.manifest import GROUP_ALIGN, GroupEntry, Manifest
+from gds_offload.weights.manifest import GroupEntry, Manifest
 from gds_offload.weights.trust import check_name, open_dir, open_file
 
 __all__ = ["StoreFiles", "aligned_host_buffer", "corrupt_error", "read_group", "resolve_dirs"]
@@ -46,16 +46,10 @@ def aligned_host_buffer(nbytes: int) -> torch.Tensor:
 
     The tensor keeps the mapping alive: views of it (parameters) may outlive every other reference.
     """
-    length = max(GROUP_ALIGN, -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN)
+    length = max(ALIGN, align_up(nbytes))
     mm = map_anonymous(length)
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=length))
 
-
-class _DataFile(SpillFile):
-    """A store data file as an engine sees it (``dir`` holds the file's path)."""
-
-    def describe(self) -> str:
-        return f"weight store file {self.dir}"
 
 
 class StoreFiles:
@@ -73,7 +67,7 @@ class StoreFiles:
     """
 
     def __init__(self, dirs: list[Path], manifest: Manifest, *, direct: bool = True) -> None:
-        self.files: list[SpillFile] = []
+        self.files: list[File] = []
         dir_fds: dict[int, int] = {}
         seen: dict[tuple[int, int], Path] = {}
         try:
@@ -87,7 +81,7 @@ class StoreFiles:
                     raise StoreFormatError(f"{path} is missing: the store is incomplete; convert the checkpoint again")
                 fd, is_direct = opened
                 note = "" if is_direct else (f"{d} refused O_DIRECT: buffered reads" if direct else "O_DIRECT not requested")
-                self.files.append(_DataFile(id=i, dir=path, fd=fd, direct=is_direct, note=note, size=entry.nbytes))
+                self.files.append(File(id=i, path=path, fd=fd, direct=is_direct, note=note, size=entry.nbytes, unnamed=False, what="weight store file"))
                 st = os.fstat(fd)
                 # Format 1 reserved one byte for a file that holds no group.
                 if st.st_size != entry.nbytes and not (entry.nbytes == 0 and st.st_size == 1):
@@ -138,7 +132,7 @@ def read_group(
 
     .. note:: Buffer ownership: the caller keeps ``dst`` alive and untouched until the future is done.
     """
-    assert dst.numel() >= group.padded_nbytes and dst.data_ptr() % GROUP_ALIGN == 0, "read_group needs a page-aligned buffer of the padded size"
+    assert dst.numel() >= group.padded_nbytes and dst.data_ptr() % ALIGN == 0, "read_group needs a page-aligned buffer of the padded size"
     if group.nbytes == 0:
         return IOFuture.completed(0)
     span = dst[: group.padded_nbytes]
@@ -166,6 +160,6 @@ def corrupt_error(group: GroupEntry, files: StoreFiles, why: str) -> StoreCorrup
     """A :class:`StoreCorruptError` naming the group (layer), its file and offset, and what differs."""
     f = files.files[group.file]
     return StoreCorruptError(
-        f"{group.describe()} is corrupt: {why}. File {f.dir}, offset {group.offset}, {group.nbytes} bytes. "
+        f"{group.describe()} is corrupt: {why}. File {f.path}, offset {group.offset}, {group.nbytes} bytes. "
         f"Convert the checkpoint again (gds-offload convert CHECKPOINT OUT), then check the drive"
     )

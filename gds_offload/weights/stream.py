@@ -60,7 +60,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-import weakref
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,8 @@ from torch import nn
 
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine
-from gds_offload.io.posix import PosixEngine
+from gds_offload.io.factory import make_engine
+from gds_offload.io.release import release_when_collected
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
@@ -180,7 +180,7 @@ class StreamedModel:
         self._layers = [base.get_submodule(g.name) for g in self._streamed]
         self._files = StoreFiles(self._dirs, manifest)
         self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
-        self._finalizer = weakref.finalize(self, _shutdown, self._res)
+        self._finalizer = release_when_collected(self, _shutdown, self._res)
         self._hooks: list[Any] = []
         self._slot_version = 0
         self._layer_turn = False  # the current layer took the turn itself (called outside a pass)
@@ -190,7 +190,7 @@ class StreamedModel:
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
         try:
-            self._loader = PosixEngine(num_threads=o.num_threads or DEFAULT_THREADS, read_pool_bytes=0)
+            self._loader = make_engine("posix", num_threads=o.num_threads or DEFAULT_THREADS, read_pool_bytes=0)
             self._res.append(self._loader)
             reads: Engine = self._loader
             if self._streamed and o.tier == "drive" and (dev.type != "cpu" or o.engine != "auto"):
@@ -287,7 +287,8 @@ class StreamedModel:
                 self._pass.restore()
                 guard_closed(self._base, self._layers, str(self._dirs[0]))
             self._recompute.restore()
-            self._finalizer()
+            if self._finalizer.detach() is not None:
+                _shutdown(self._res)
             self._shut = True
 
     @property

@@ -1,4 +1,4 @@
-"""Which units (layer calls) to offload. The scheduler asks; policies decide.
+"""Which units (layer calls) to offload: the policies' configurations, and the plan they show.
 
 A *unit* is one layer call within a forward: unit 0 holds what autograd saves
 before the first layer (embeddings), unit ``k`` the ``k``-th layer call and what
@@ -6,7 +6,9 @@ follows it until the next layer starts (so the last unit also holds the head and
 the loss). Backward needs the last units first, so keeping them costs nothing:
 their reads could not be hidden anyway.
 
-Policies:
+Policies (frozen configurations; each ``attach()`` builds its own planner from one,
+:func:`~gds_offload.activations.planning.planners.make_planner`, so one ``Budget`` given to
+two offloaders shares no measurement):
 
 * :class:`OffloadAll` (``policy="all"``): everything but the last ``keep_last`` units.
 * :class:`Adaptive` (``policy="adaptive"``): profiles a step after a warm-up one, then offloads the largest
@@ -22,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from gds_offload.activations.planning.profile import Simulation, StepProfile, simulate
+from gds_offload.activations.planning.profile import Simulation, StepProfile
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.units import format_bytes, parse_bytes
 
-__all__ = ["Policy", "OffloadAll", "Adaptive", "Budget", "BudgetError", "Plan", "UnitDecision"]
+__all__ = ["Policy", "PolicyConfig", "OffloadAll", "Adaptive", "Budget", "BudgetError", "Plan", "UnitDecision", "decisions"]
 
 
 class BudgetError(OffloadError):
@@ -109,7 +111,8 @@ class Policy(Protocol):
     def plan(self) -> Plan: ...
 
 
-def _decisions(profile: StepProfile | None, offload: set[int], why: dict[int, str], n_units: int) -> list[UnitDecision]:
+def decisions(profile: StepProfile | None, offload: set[int], why: dict[int, str], n_units: int) -> list[UnitDecision]:
+    """One :class:`UnitDecision` per unit: its name and measured times (from ``profile``), offloaded or kept, and why."""
     out = []
     for k in range(n_units):
         u = profile.units[k] if profile is not None and k < len(profile.units) else None
@@ -127,94 +130,14 @@ def _decisions(profile: StepProfile | None, offload: set[int], why: dict[int, st
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadAll:
     """Offload every unit except the last ``keep_last`` layer calls (and what follows them)."""
 
     keep_last: int = 1
-    name: str = "all"
-    prefetch_units: int = 1
-    #: Plans by bytes only: the scheduler need not read CUDA event times.
-    needs_timing: bool = False
-    _first_kept: int = 1 << 62
-    _units: int = 0
-    _last: StepProfile | None = None
-
-    def begin_forward(self, layer_calls: int) -> None:
-        self._units = layer_calls + 1
-        self._first_kept = layer_calls - self.keep_last + 1 if self.keep_last else 1 << 62
-
-    def offload(self, unit: int) -> bool:
-        return unit < self._first_kept
-
-    def observe(self, profile: StepProfile) -> None:
-        self._last = profile
-
-    def plan(self) -> Plan:
-        offload = {k for k in range(self._units) if self.offload(k)}
-        why = {k: ("offload all" if k in offload else f"last {self.keep_last} layer(s) kept") for k in range(self._units)}
-        p = self._last
-        return Plan(
-            self.name,
-            _decisions(p, offload, why, self._units),
-            write_bps=p.write_bps if p else 0.0,
-            read_bps=p.read_bps if p else 0.0,
-            reason=f"every eligible tensor outside the last {self.keep_last} layer(s)",
-        )
 
 
-@dataclass
-class _Measured:
-    """Exponential moving averages of what steps measured, per unit."""
-
-    profile: StepProfile | None = None
-    write_bps: float = 0.0
-    read_bps: float = 0.0
-
-    def update(self, p: StepProfile, alpha: float = 0.5) -> None:
-        # Bandwidth only moves when the step moved bytes; a unit-count change resets.
-        if self.profile is None or len(self.profile.units) != len(p.units):
-            self.profile = p
-            self.write_bps = p.write_bps or self.write_bps
-            self.read_bps = p.read_bps or self.read_bps
-            return
-        units = tuple(
-            type(u)(
-                name=u.name,
-                forward_s=(1 - alpha) * o.forward_s + alpha * u.forward_s,
-                backward_s=(1 - alpha) * o.backward_s + alpha * u.backward_s,
-                eligible_bytes=u.eligible_bytes,
-                offloaded_bytes=u.offloaded_bytes,
-            )
-            for o, u in zip(self.profile.units, p.units)
-        )
-        self.profile = StepProfile(units, p.write_bps, p.read_bps, p.io_wait_s, p.peak_resident_bytes, p.fixed_bytes)
-        # A slower drive counts at once (a stall costs more than a missed saving); a faster
-        # one is believed gradually.
-        self.write_bps = _blend(self.write_bps, p.write_bps, alpha)
-        self.read_bps = _blend(self.read_bps, p.read_bps, alpha)
-
-
-def _blend(old: float, new: float, alpha: float) -> float:
-    if not new:
-        return old
-    if not old or new < old:
-        return new
-    return (1 - alpha) * old + alpha * new
-
-
-def _drift(old: StepProfile, new: StepProfile, tol: float = 0.10) -> str:
-    """Why a plan made for ``old`` no longer fits ``new`` ('' when it still fits)."""
-    if len(old.units) != len(new.units):
-        return f"layer calls changed from {len(old.units) - 1} to {len(new.units) - 1}"
-    a = sum(u.eligible_bytes for u in old.units)
-    b = sum(u.eligible_bytes for u in new.units)
-    if a and abs(b - a) / a > tol:
-        return f"saved bytes per step changed from {format_bytes(a)} to {format_bytes(b)} (batch or sequence size?)"
-    return ""
-
-
-@dataclass
+@dataclass(frozen=True)
 class Adaptive:
     """Offload the largest set of units whose I/O hides behind compute.
 
@@ -242,115 +165,13 @@ class Adaptive:
     max_prefetch_units: int = 3
     warmup_steps: int = 1
     bandwidth_drift: float = 0.25
-    name: str = "adaptive"
-    prefetch_units: int = 1
-    needs_timing: bool = True
-    _fallback: OffloadAll = field(default_factory=OffloadAll)
-    _measured: _Measured = field(default_factory=_Measured)
-    _plan: Plan | None = None
-    _offload: set[int] | None = None
-    _planned_at: tuple[float, float] = (0.0, 0.0)
-    _planned_for: StepProfile | None = None
-    _events: list[str] = field(default_factory=list)
-    _unmeasured: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps!r}): unmeasured steps before the profile; use 0 or more")
-        self._fallback = OffloadAll(self.keep_last)
-        self._unmeasured = self.warmup_steps
-
-    def begin_forward(self, layer_calls: int) -> None:
-        self._fallback.begin_forward(layer_calls)
-
-    def offload(self, unit: int) -> bool:
-        return self._fallback.offload(unit) if self._offload is None else unit in self._offload
-
-    def observe(self, profile: StepProfile) -> None:
-        if self._unmeasured > 0:
-            self._unmeasured -= 1
-            return
-        m = self._measured
-        m.update(profile)
-        if self._planned_for is None:
-            self._replan("first profile")
-            return
-        why = _drift(self._planned_for, profile)
-        if not why:
-            wb, rb = self._planned_at
-            for label, old, new in (("write", wb, m.write_bps), ("read", rb, m.read_bps)):
-                if old and new and abs(new - old) / old > self.bandwidth_drift:
-                    why = f"{label} bandwidth moved from {old / 1e9:.2f} to {new / 1e9:.2f} GB/s"
-                    break
-        if not why and self._plan is not None and self._plan.predicted is not None:
-            predicted = self._plan.predicted.stall_s
-            step = self._plan.predicted.step_s
-            if profile.io_wait_s > predicted + self.tolerance * step:
-                why = f"step stalled {profile.io_wait_s * 1e3:.0f} ms on reads, plan predicted {predicted * 1e3:.0f} ms"
-        if why:
-            self._replan(why)
-
-    def _replan(self, why: str) -> None:
-        m = self._measured
-        p = m.profile
-        assert p is not None, "replan needs a profile"
-        n = len(p.units)
-        best: tuple[set[int], Simulation, dict[int, str], int] | None = None
-        for window in range(1, self.max_prefetch_units + 1):
-            offload, sim, reasons = self._fit(p, window)
-            if best is None or sim.peak_bytes < best[1].peak_bytes:
-                best = (offload, sim, reasons, window)
-        assert best is not None, "max_prefetch_units >= 1"
-        offload, sim, reasons, window = best
-        self._offload = offload
-        self.prefetch_units = window
-        self._planned_at = (m.write_bps, m.read_bps)
-        self._planned_for = p
-        if why != "first profile" or self._events:
-            self._events.append(f"re-planned: {why}; offloading {len(offload)} of {n} units")
-        self._plan = Plan(
-            self.name, _decisions(p, offload, reasons, n), m.write_bps, m.read_bps, sim,
-            reason=f"offload {len(offload)} of {n} units, prefetch {window} ahead, I/O hidden behind compute",
-            events=list(self._events),
-        )
-
-    def _fit(self, p: StepProfile, window: int) -> tuple[set[int], Simulation, dict[int, str]]:
-        """The largest prefix of units to offload whose I/O hides, with ``window`` units of prefetch."""
-        m = self._measured
-        n = len(p.units)
-        first_kept = max(0, n - self.keep_last)
-        offload = {k for k in range(first_kept) if p.units[k].eligible_bytes}
-        reasons = {k: f"last {self.keep_last} kept" for k in range(first_kept, n)}
-        sim = simulate(p, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=window)
-        # Keep from the end until the I/O hides behind compute and every offloaded unit
-        # really leaves memory (a write still running when backward arrives saves nothing).
-        while offload:
-            if sim.stall_s > self.tolerance * sim.step_s:
-                k = max(offload)
-                stall = sim.per_unit_stall_s[k]
-                reasons[k] = f"kept: its read would stall backward ({stall * 1e3:.0f} ms)" if stall else "kept: the I/O queue would stall reads below it"
-            elif sim.forwarded & offload:
-                k = max(sim.forwarded & offload)
-                reasons[k] = "kept: its write would not finish before backward needs it"
-            else:
-                break
-            offload.discard(k)
-            sim = simulate(p, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=window)
-        for k in offload:
-            reasons[k] = "offload: hidden behind compute"
-        for k in range(first_kept):
-            reasons.setdefault(k, "nothing eligible")
-        return offload, sim, reasons
-
-    def plan(self) -> Plan:
-        if self._plan is None:
-            p = self._fallback.plan()
-            p.policy, p.reason = self.name, f"profiling (the first {self.warmup_steps + 1} steps offload all but the last layers)"
-            return p
-        return self._plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Budget:
     """Keep peak saved-activation memory under ``bytes`` with the least I/O.
 
@@ -365,73 +186,16 @@ class Budget:
     """
 
     bytes: int | str
-    name: str = "budget"
-    prefetch_units: int = 1
-    needs_timing: bool = True
-    _limit: int = 0
-    _n: int = 0
-    _kept: int = 0  # number of units kept from the end
-    _error: BudgetError | None = None
-    _plan: Plan | None = None
-    _events: list[str] = field(default_factory=list)
-    _measured: _Measured = field(default_factory=_Measured)
 
     def __post_init__(self) -> None:
-        self._limit = parse_bytes(self.bytes, name="Budget.bytes")
-        if self._limit <= 0:
+        if self.limit_bytes <= 0:
             raise ConfigError(f"Budget({self.bytes!r}) must be positive, e.g. Budget('40GiB')")
 
-    def begin_forward(self, layer_calls: int) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-        self._n = layer_calls + 1
+    @property
+    def limit_bytes(self) -> int:
+        """The budget in bytes (``bytes`` parsed: ``"40GiB"`` -> 42949672960)."""
+        return parse_bytes(self.bytes, name="Budget.bytes")
 
-    def offload(self, unit: int) -> bool:
-        return unit < self._n - self._kept
 
-    def observe(self, profile: StepProfile) -> None:
-        m = self._measured
-        m.update(profile)
-        measured = profile.peak_resident_bytes
-        n = len(profile.units)
-        if measured > self._limit:
-            if self._kept == 0:
-                over = measured - self._limit
-                largest = max((u.eligible_bytes for u in profile.units), default=0)
-                self._error = BudgetError(
-                    f"Budget({format_bytes(self._limit)}) cannot be met: offloading every eligible tensor still peaked at "
-                    f"{format_bytes(measured)} ({format_bytes(over)} over). Of that, {format_bytes(profile.fixed_bytes)} is "
-                    f"never offloadable (tensors under min_bytes), a layer's own activations ({format_bytes(largest)} for the "
-                    f"largest) are in memory while it runs and while its neighbour is prefetched, and the rest waits for the "
-                    f"drive (write {m.write_bps / 1e9:.2f} GB/s). Raise the budget, lower min_bytes, use a faster drive, "
-                    f"or shrink the micro-batch"
-                )
-                return
-            self._kept -= 1
-            self._events.append(f"measured peak {format_bytes(measured)} over budget: keeping {self._kept} units")
-        else:
-            # Keep more units at the end while the prediction, calibrated by this step's
-            # measured peak, stays under the budget.
-            p = m.profile
-            assert p is not None, "observe recorded a profile"
-            current = simulate(p, set(range(n - self._kept)), write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)
-            offset = max(0, measured - current.peak_bytes)
-            while self._kept < n:
-                trial = set(range(n - self._kept - 1))
-                sim = simulate(p, trial, write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)
-                if sim.peak_bytes + offset > self._limit:
-                    break
-                self._kept += 1
-        offload = {k for k in range(n - self._kept)}
-        sim = simulate(m.profile, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)  # type: ignore[arg-type]
-        reasons = {k: ("offload: needed to stay under budget" if k in offload else "keep: fits in the budget") for k in range(n)}
-        self._plan = Plan(
-            self.name, _decisions(m.profile, offload, reasons, n), m.write_bps, m.read_bps, sim,
-            reason=f"peak under {format_bytes(self._limit)} (measured {format_bytes(measured)})", events=list(self._events),
-        )
-
-    def plan(self) -> Plan:
-        if self._plan is None:
-            return Plan(self.name, [], reason=f"profiling: first step offloads everything to measure (budget {format_bytes(self._limit)})")
-        return self._plan
+#: A policy's configuration, as ``attach(policy=...)`` resolves it.
+PolicyConfig = OffloadAll | Adaptive | Budget

@@ -49,8 +49,8 @@ from gds_offload.activations.scheduler.writes import WritePath
 
 if TYPE_CHECKING:
     from gds_offload.activations.planning.profile import ForwardRecord
-    from gds_offload.activations.spill.store import Slot
     from gds_offload.io.base import Engine, IOFuture
+    from gds_offload.io.layout import Slot
 
 __all__ = ["Scheduler", "SchedulerConfig", "MIN_WRITE_WINDOW_BYTES"]
 

@@ -10,7 +10,7 @@ autograd holds in place of each saved tensor.
             │                      └─▶ FAILED ─────────────────────────────────────┤
             └─ done while backward is near ─▶ LOADED (the source stays in memory) ─┘
 
-Every transition goes through :meth:`Entry.move`, which asserts the previous state, so
+Every transition goes through :meth:`Entry.move`, which refuses an illegal one (:class:`OffloadError`), so
 the conditions that decide what an entry may do live in one table (:data:`_NEXT`), not
 in flags spread over the scheduler. Bytes in memory are ``Entry.data``; which budget
 they count against (kept, writing, loaded) follows from the state alone.
@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gds_offload.errors import OffloadError
+
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import Slot
     from gds_offload.io.base import IOFuture
+    from gds_offload.io.layout import Slot
 
 __all__ = ["State", "Entry", "Handle", "version_root"]
 
@@ -123,8 +125,18 @@ class Entry:
     counted: str | None = None
 
     def move(self, new: State) -> None:
-        """Change state; the table :data:`_NEXT` says which changes exist."""
-        assert new in _NEXT[self.state], f"saved-tensor entry cannot go from {self.state.name} to {new.name}"
+        """Change state; the table :data:`_NEXT` says which changes exist.
+
+        Raises:
+            OffloadError: ``new`` cannot follow the current state (a scheduler bug: the
+                entry is left as it was). A raise, not an ``assert``: it holds under ``python -O``.
+        """
+        if new not in _NEXT[self.state]:
+            allowed = ", ".join(sorted(s.name for s in _NEXT[self.state])) or "none (it is final)"
+            raise OffloadError(
+                f"saved-tensor entry of {self.nbytes} bytes (layer call {self.unit}) cannot go from {self.state.name} to "
+                f"{new.name}; from {self.state.name} it may go to: {allowed}. This is a bug in gds_offload: please report it"
+            )
         self.state = new
 
     @property

@@ -3,7 +3,7 @@
 One unnamed spill file per directory and process (``O_TMPFILE``, or a named file
 unlinked right after it is created where the filesystem has no ``O_TMPFILE``; the
 descriptor is the one that created it, checked to be that file), so a crash
-or ``kill -9`` leaves nothing behind. A first-fit slot allocator with 4 KiB
+or ``kill -9`` leaves nothing behind. A first-fit slot allocator (:class:`~gds_offload.io.layout.File`'s) with 4 KiB
 alignment hands out byte ranges; freed ranges are coalesced and reused by the next
 step, so the file stops growing once the working set is known. Space is reserved
 with ``fallocate`` when the file grows: a full drive is found at allocation time,
@@ -18,96 +18,26 @@ to, is :mod:`gds_offload.io.directory`'s to decide.
 """
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import secrets
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io.directory import Origin, mount_of, prepare_dir
+from gds_offload.io.layout import File, Slot, align_up
 
 __all__ = [
-    "ALIGN",
     "GROW_BYTES",
-    "Slot",
-    "SpillFile",
     "SpillStore",
-    "align_up",
     "check_free_space",
     "free_bytes",
     "open_unnamed",
 ]
 
-ALIGN = 4096
 #: The file grows by at least this much at a time, so fallocate is not called per tensor.
 GROW_BYTES = 64 << 20
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A byte range of a spill file. ``nbytes`` is a multiple of :data:`ALIGN`."""
-
-    file: SpillFile
-    offset: int
-    nbytes: int
-
-
-@dataclass(eq=False)
-class SpillFile:
-    """One unnamed spill file (or, for engines that need no files, a virtual one: ``fd == -1``)."""
-
-    id: int
-    dir: Path | None
-    fd: int = -1
-    #: Opened with O_DIRECT.
-    direct: bool = False
-    #: Why not O_DIRECT, or how the file was made unnamed.
-    note: str = ""
-    size: int = 0
-    allocated: int = 0
-    full: bool = False
-    _free: list[tuple[int, int]] = field(default_factory=list)  # sorted (offset, length)
-
-    @property
-    def proc_path(self) -> str:
-        """A path that reopens this unnamed file (for libraries that take paths, such as KvikIO)."""
-        return f"/proc/self/fd/{self.fd}"
-
-    def describe(self) -> str:
-        return f"spill file #{self.id} in {self.dir}" if self.dir else f"host buffer pool #{self.id}"
-
-    # The allocator. Caller holds the store's lock.
-    def take(self, nbytes: int) -> int | None:
-        for i, (off, length) in enumerate(self._free):
-            if length >= nbytes:
-                if length == nbytes:
-                    del self._free[i]
-                else:
-                    self._free[i] = (off + nbytes, length - nbytes)
-                self.allocated += nbytes
-                return off
-        return None
-
-    def give_back(self, off: int, nbytes: int) -> None:
-        i = bisect.bisect_left(self._free, (off, 0))
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # merge with left
-            i -= 1
-            off, nbytes = self._free[i][0], self._free[i][1] + nbytes
-            del self._free[i]
-        if i < len(self._free) and off + nbytes == self._free[i][0]:  # merge with right
-            nbytes += self._free[i][1]
-            del self._free[i]
-        self._free.insert(i, (off, nbytes))
-
-    def free_bytes(self) -> int:
-        return sum(length for _, length in self._free)
 
 
 class SpillStore:
@@ -132,9 +62,9 @@ class SpillStore:
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
-        self.files: list[SpillFile] = []
+        self.files: list[File] = []
         if not dirs:
-            self.files.append(SpillFile(id=0, dir=None, note="virtual (no storage)"))
+            self.files.append(File(id=0, path=None, note="virtual (no storage)"))
             return
         dirs = [prepare_dir(Path(d), create=create, origin=origin) for d in dirs]
         if reserve_bytes:
@@ -142,7 +72,7 @@ class SpillStore:
         try:
             for i, d in enumerate(dirs):
                 fd, is_direct, note = open_unnamed(d, direct=direct)
-                self.files.append(SpillFile(id=i, dir=d, fd=fd, direct=is_direct, note=note))
+                self.files.append(File(id=i, path=d, fd=fd, direct=is_direct, note=note))
         except BaseException:
             self.close()
             raise
@@ -172,7 +102,7 @@ class SpillStore:
                         self._grow(f, need)
                     except OSError as exc:
                         f.full = True
-                        problems.append(f"{f.dir}: {os.strerror(exc.errno or errno.EIO)}")
+                        problems.append(f"{f.path}: {os.strerror(exc.errno or errno.EIO)}")
                         continue
                     f.full = False
                     off = f.take(need)
@@ -214,7 +144,7 @@ class SpillStore:
                 os.close(f.fd)
                 f.fd = -1
 
-    def _grow(self, f: SpillFile, need: int) -> None:
+    def _grow(self, f: File, need: int) -> None:
         # Extend the file; if its tail is free, the new space merges with it.
         grow = max(GROW_BYTES, need)
         if f.fd >= 0:

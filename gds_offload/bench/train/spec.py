@@ -179,8 +179,8 @@ def available_offload_engines(device: str, path: str | None) -> list[str]:
     gds on a CUDA device where GPUDirect Storage works at ``path``."""
     from pathlib import Path
 
-    from gds_offload.io import choose_engine
     from gds_offload.io.directory import default_spill_dir
+    from gds_offload.node.choice import choose_engine
 
     engines = ["posix"]
     for name in ("compat", "gds"):

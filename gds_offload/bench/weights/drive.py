@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.bench.raw_io import page_cache_bytes
+from gds_offload.io.layout import ALIGN
 from gds_offload.io.pages import map_anonymous
 
 __all__ = ["RAW_WINDOW_BYTES", "RawRead", "ReadInterference", "evict", "cached_bytes", "raw_read_bandwidth", "read_interference"]
@@ -103,15 +104,15 @@ def raw_read_bandwidth(path: Path, *, depths: tuple[int, ...] = (1, 4, 8), chunk
     Raises:
         OSError: the file cannot be opened with ``O_DIRECT`` (tmpfs, overlayfs): measure on the store's drive.
     """
-    if chunk_bytes % 4096:
-        raise ValueError(f"chunk_bytes={chunk_bytes}: must be a multiple of 4096 for O_DIRECT")
+    if chunk_bytes % ALIGN:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be a multiple of {ALIGN} for O_DIRECT")
     out = []
     for depth in depths:
         evict([path])
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size // 4096 * 4096
-            size = min(size, max_bytes // 4096 * 4096) if max_bytes else size
+            size = os.fstat(fd).st_size // ALIGN * ALIGN
+            size = min(size, max_bytes // ALIGN * ALIGN) if max_bytes else size
             window = _window(window_bytes, depth, chunk_bytes)
             start = time.perf_counter()
             moved = _read_pass(fd, size, depth, chunk_bytes, window)
@@ -193,7 +194,7 @@ def read_interference(path: Path, *, rows: int, hidden: int, intermediate: int, 
     alone, busy, rates = [], [], []
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size // 4096 * 4096
+        size = os.fstat(fd).st_size // ALIGN * ALIGN
         for _ in range(rounds):
             alone.append(compute())
             stop, moved = threading.Event(), [0]

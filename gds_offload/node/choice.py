@@ -1,26 +1,22 @@
 """Engine selection: what ``mode="auto"`` picks on this node, and why.
 
-Shares its node detection with ``gds-check`` (:func:`gds_offload.node.probes.node_verdict`),
-so the checker and the offloader never disagree.
+Shares its node detection with ``gds-check`` (:func:`gds_offload.node.verdict.node_verdict`),
+so the checker and the offloader never disagree. The engine itself is made by
+:func:`gds_offload.io.factory.make_engine`.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+
+import torch
 
 from gds_offload.errors import ConfigError, GDSUnavailableError
-from gds_offload.io.base import Engine
-from gds_offload.io.host import HostEngine
-from gds_offload.io.kvikio_engine import KvikIOEngine, kvikio_status
-from gds_offload.io.limits import TokenBucket
-from gds_offload.io.posix import PosixEngine
+from gds_offload.io.factory import EngineName, Mode, validate_mode
+from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.node.verdict import node_verdict
 
-__all__ = ["Mode", "MODES", "Choice", "choose_engine", "make_engine", "validate_mode"]
-
-Mode = Literal["auto", "gds", "compat", "posix", "host"]
-MODES: tuple[str, ...] = get_args(Mode)
+__all__ = ["Choice", "choose_engine"]
 
 
 @dataclass(frozen=True)
@@ -31,34 +27,15 @@ class Choice:
     POSIX fallback off or fail (:class:`~gds_offload.io.kvikio_engine.KvikIOEngine`);
     ``auto`` resolved to ``gds`` is not strict."""
 
-    engine: Literal["gds", "compat", "posix", "host"]
+    engine: EngineName
     reason: str
     strict: bool = False
 
 
-def validate_mode(mode: object) -> Mode:
-    if mode not in MODES:
-        hint = difflib.get_close_matches(str(mode).lower(), MODES, n=1)
-        raise ConfigError(
-            f"mode={mode!r} is not an engine; expected one of {', '.join(MODES)}"
-            + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        )
-    return mode  # type: ignore[return-value]
-
-
 def _gds_verdict(path: Path) -> tuple[bool, str]:
     """(direct path usable, reason), from the same probes gds-check uses."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False, "no CUDA GPU visible to torch"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False, "torch not importable"
-    try:
-        from gds_offload.node.probes import node_verdict
-    except ImportError as exc:
-        return False, f"gds-check probes unavailable ({exc})"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU visible to torch"
     verdict = node_verdict(path)
     return verdict.mode == "gds", verdict.reason + (f"; fix: {verdict.fix}" if verdict.fix else "")
 
@@ -101,30 +78,3 @@ def choose_engine(mode: Mode, path: Path | None, device: str | None = None) -> C
     if kvik_ok:
         return Choice("compat", f"no GDS ({gds_why}); {kvik_why} in compat mode")
     return Choice("posix", f"no GDS ({gds_why}); no KvikIO ({kvik_why})")
-
-
-def make_engine(
-    engine: Literal["gds", "compat", "posix", "host"],
-    *,
-    max_bandwidth: float | None = None,
-    num_threads: int | None = None,
-    strict: bool = True,
-) -> Engine:
-    """Create the named engine (as resolved by :func:`choose_engine`).
-
-    ``strict``: for ``gds``, :attr:`Choice.strict` (``False`` when ``auto`` picked it); see
-    :class:`~gds_offload.io.kvikio_engine.KvikIOEngine`.
-
-    Raises:
-        GDSUnavailableError: a strict ``gds`` engine cannot turn cuFile's POSIX fallback off.
-    """
-    limiter = TokenBucket(max_bandwidth) if max_bandwidth else None
-    if engine in ("gds", "compat"):
-        if num_threads:
-            return KvikIOEngine(engine, strict=strict, limiter=limiter, num_threads=num_threads)
-        return KvikIOEngine(engine, strict=strict, limiter=limiter)
-    if engine == "posix":
-        return PosixEngine(limiter=limiter, **({"num_threads": num_threads} if num_threads else {}))
-    if engine == "host":
-        return HostEngine(limiter=limiter)
-    raise ConfigError(f"engine {engine!r} unknown; expected gds, compat, posix or host")
