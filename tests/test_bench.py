@@ -209,7 +209,7 @@ def assert_exact(summary: dict) -> None:
     """Every offload mode's losses and weights equal keep's: across processes, or, where torch's
     kernels gave other last bits in another process (it happens with or without the offloader,
     see gds_offload/bench/train/runner.py's module doc), in the bench's own check in one process."""
-    from gds_offload.commands.bench import unexplained_differences
+    from gds_offload.bench.train.suite import unexplained_differences
 
     assert unexplained_differences(summary) == [], summary
     for mode, row in summary["modes"].items():
@@ -233,7 +233,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
 
 
 def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
-    from gds_offload.commands.bench import combine_rounds, round_order, summarize
+    from gds_offload.bench.train.suite import combine_rounds, round_order, summarize
 
     assert [round_order(["keep", "a", "b"], k) for k in range(4)] == [
         ["keep", "a", "b"], ["a", "b", "keep"], ["b", "keep", "a"], ["keep", "a", "b"]]
@@ -347,7 +347,7 @@ def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, m
     one process; the run fails only if that check fails (or the mode cannot be checked)."""
     import gds_offload.bench.train.child as child
     import gds_offload.bench.train.spec as bench_spec
-    from gds_offload.commands.bench import unexplained_differences
+    from gds_offload.bench.train.suite import unexplained_differences
 
     monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
     out = tmp_path / "bench.json"
@@ -367,7 +367,7 @@ def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, m
 
 
 def test_io_hidden_fraction() -> None:
-    from gds_offload.commands.demo import io_hidden_fraction
+    from gds_offload.bench.train.demo_view import io_hidden_fraction
 
     assert io_hidden_fraction({"write_seconds": 1.0, "read_seconds": 1.0, "io_wait_seconds": 0.5}) == 0.75
     assert io_hidden_fraction({"write_seconds": 0.0, "read_seconds": 0.0, "io_wait_seconds": 0.0}) is None

@@ -45,7 +45,7 @@ class _Started(Exception):
 def no_work(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Any weight benchmark, child run, sweep or engine measurement fails the test; the spec a
     weight benchmark would have run with is not recorded (it never gets that far)."""
-    import gds_offload.bench.cgroup as cgroup
+    import gds_offload.bench.procs as procs
     import gds_offload.bench.weights.bench as weights_bench
     import gds_offload.bench.weights.finetune as finetune_bench
     from gds_offload.bench import io as io_bench
@@ -54,7 +54,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     def started(*_a: object, **_kw: object) -> None:
         raise _Started("work started before the arguments were checked")
 
-    for module, name in ((weights_bench, "run_bench"), (finetune_bench, "run_finetune_bench"), (cgroup, "run_capped"),
+    for module, name in ((weights_bench, "run_bench"), (finetune_bench, "run_finetune_bench"), (procs, "run_child"),
                          (runner, "run_mode"), (rok, "run_mode"), (io_bench, "run_bench")):  # fmt: skip
         monkeypatch.setattr(module, name, started)
     return []
@@ -259,9 +259,9 @@ def test_memory_cap_is_made_inside_the_callers_own_group() -> None:
 #: The child a parent group holds: once moved (a line on stdin), it caps a grandchild at 2 GiB.
 _CAPPING_CHILD = """
 import json, os, sys
-from gds_offload.bench.cgroup import run_capped
+from gds_offload.bench.procs import run_child
 sys.stdin.readline()
-run = run_capped([sys.executable, "-c", sys.argv[1]], env=dict(os.environ), memory_limit=2 << 30, timeout_s=300)
+run = run_child([sys.executable, "-c", sys.argv[1]], env=dict(os.environ), memory_limit=2 << 30, timeout_s=300)
 print(json.dumps({"rc": run.returncode, "out": run.out, "limit": run.cap.limit_bytes}), flush=True)
 """
 #: Allocates (and touches) 1 GiB; the first process the kernel kills when its group is out of memory.
@@ -310,7 +310,7 @@ def test_capped_child_cannot_escape_the_parents_limit() -> None:
 #: A benchmark parent whose capped child, once in its group, reports itself on a FIFO and waits.
 _PARENT = """
 import os, sys
-from gds_offload.bench.cgroup import run_capped
+from gds_offload.bench.procs import run_child
 child = '''
 import os, signal, sys
 from gds_offload.bench.procs import die_with_parent
@@ -320,7 +320,7 @@ with open(sys.argv[1], "w") as fifo:
     fifo.write(str(os.getpid()) + "\\\\n")
 signal.pause()
 '''
-run_capped([sys.executable, "-c", child, sys.argv[1]], env=dict(os.environ), memory_limit=256 << 20, timeout_s=600)
+run_child([sys.executable, "-c", child, sys.argv[1]], env=dict(os.environ), memory_limit=256 << 20, timeout_s=600)
 """
 
 

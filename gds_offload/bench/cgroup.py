@@ -23,18 +23,14 @@ import errno
 import itertools
 import os
 import re
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gds_offload.errors import ConfigError
 
-__all__ = ["MemoryCap", "CapReport", "ChildRun", "MIN_LIMIT_BYTES", "cap_available", "check_limit", "own_memory_cgroup",
-           "remove_stale_groups", "run_capped", "serve_child", "CGROUP_V1_MEMORY"]  # fmt: skip
+__all__ = ["MemoryCap", "CapReport", "MIN_LIMIT_BYTES", "cap_available", "check_limit", "own_memory_cgroup",
+           "remove_stale_groups", "CGROUP_V1_MEMORY"]  # fmt: skip
 
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 #: The smallest cap: a Python child cannot start under less.
@@ -225,61 +221,6 @@ class MemoryCap:
             except OSError:
                 time.sleep(0.1)
         return rep
-
-
-@dataclass(frozen=True)
-class ChildRun:
-    """A benchmark child that has exited: its status, what it printed, and its group's report."""
-
-    returncode: int
-    out: str
-    err: str
-    cap: CapReport | None
-
-
-def run_capped(cmd: list[str], *, env: dict[str, str], memory_limit: int | None, timeout_s: float) -> ChildRun:
-    """Run ``cmd`` in a child (under a :class:`MemoryCap` of ``memory_limit`` bytes unless ``None``) and
-    wait for it. The child must wait for one line on its stdin before it starts work: it gets it
-    once it is in its group, so nothing it does runs uncapped. A child past ``timeout_s`` is killed."""
-    from gds_offload.bench.procs import reap, spawn
-
-    cap = MemoryCap(memory_limit) if memory_limit is not None else None  # 0 is refused, not 'uncapped'
-    try:
-        proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    except BaseException:
-        if cap is not None:
-            cap.close()
-        raise
-    try:
-        if cap is not None:
-            cap.add(proc.pid)
-        out, err = proc.communicate("go\n", timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err = f"timed out after {timeout_s} s\n" + err
-    finally:
-        reap(proc)  # a no-op once it has exited; on a stop signal it stops the child first
-        rep = cap.close() if cap is not None else None
-    return ChildRun(proc.returncode, out, err, rep)
-
-
-def serve_child(argv: list[str], spec_type: Callable[..., Any], run: Callable[[Any], Iterable[Any]], prefix: str) -> int:
-    """The child's side of :func:`run_capped`: ``argv[0]`` is its spec as JSON (``batch_sizes`` a
-    list); it waits for the parent's line on stdin (it is in its group then), then prints each
-    dataclass ``run(spec)`` yields as one ``prefix``-ed JSON line."""
-    import json
-    from dataclasses import asdict
-
-    from gds_offload.bench.procs import die_with_parent
-
-    die_with_parent()  # a parent killed without a chance to reap leaves no child running on
-    spec_d = json.loads(argv[0])
-    spec = spec_type(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
-    sys.stdin.readline()
-    for r in run(spec):
-        print(prefix + json.dumps(asdict(r)), flush=True)
-    return 0
 
 
 def _read_int(path: Path) -> int | None:

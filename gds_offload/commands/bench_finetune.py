@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-from typing import Any
+
+from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, workdir_arg
 
 HELP = "benchmark LoRA fine-tuning with weights resident, streamed from drive/host, and Accelerate disk offload"
 #: The modes whose failure fails the command (the others are peers).
@@ -22,9 +22,6 @@ OURS = ("resident", "drive", "host")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.bench_weights import batch_sizes_arg
-    from gds_offload.commands.run_args import positive_int
-
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")
     p.add_argument("--batch-sizes", type=batch_sizes_arg, default=None, help="comma-separated (default 1,4,8)")
@@ -42,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY
-    from gds_offload.bench.weights.finetune import MODES, FinetuneSpec, run_finetune_bench
-    from gds_offload.commands.bench_weights import emit, memory_limit_arg, modes_arg, workdir_arg
+    from gds_offload.bench.weights.doc import emit
+    from gds_offload.bench.weights.finetune import MODES, FinetuneSpec, finetune_document, run_finetune_bench
     from gds_offload.errors import ConfigError
 
     try:  # every flag, before the checkpoint is made and the first child starts
@@ -67,34 +64,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gds-offload bench-finetune: {exc}", file=sys.stderr)
         return 2
-    emit(_document(args, report, started, workdir, commit), args.out)
+    emit(finetune_document(report, started=started, workdir=workdir, commit=commit, title=args.title,
+                           command=getattr(args, "command_line", None)), args.out)
     ours = [r for r in report["summary"]["finetune"] if r["mode"] in OURS]
     return 1 if any(r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False for r in ours) else 0
 
 
-def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
-    from gds_offload.bench.machine import describe_machine
-    from gds_offload.bench.weights.finetune import finetune_table
-    from gds_offload.units import format_bytes
-
-    m, spec = report["model"], report["spec"]
-    size = format_bytes(m["weights_nbytes"])
-    cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
-    about = (f"LoRA (rank {spec['rank']}, q/k/v/o projections, PEFT) on a {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} "
-             f"weights, random, from a safetensors checkpoint), sequences of {spec['seq_len']} tokens, AdamW"
-             f"{', Hugging Face gradient checkpointing (non-reentrant) in every mode' if spec.get('checkpointing') else ''}; per batch size one step not "
-             f"measured, then the median of {spec['steps']}. streamed-drive and accelerate-disk under {cap}, resident and streamed-host "
-             f"uncapped; every child with MALLOC_MMAP_THRESHOLD_=1048576; {spec['rounds']} round(s) interleaved, medians. Every mode starts "
-             f"from the same adapters; its losses (exact) and trained adapters (xxh3) are compared with resident's.")  # fmt: skip
-    return {
-        "kind": "table",
-        "title": args.title or f"LoRA fine-tuning with streamed weights{' and gradient checkpointing' if spec.get('checkpointing') else ''} (cpu)",
-        "about": about,
-        "command": getattr(args, "command_line", "gds-offload bench-finetune"),
-        "commit": commit,
-        "machine": describe_machine(workdir).as_dict(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_s": time.time() - started,
-        "table": finetune_table(report),
-        **report,
-    }

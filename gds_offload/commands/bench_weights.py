@@ -8,92 +8,24 @@ each mode in its own process (:mod:`gds_offload.bench.weights.bench`). Examples:
 
 ``--out`` writes the result file ``gds-offload report`` renders (and a PNG next to it, or at
 ``--plot``). Exit status: 0 every mode ran and matched the resident outputs, 1 one did not,
-2 a usage error: every flag is checked before the first child starts (:func:`workdir_arg`,
-:func:`memory_limit_arg` are shared with ``bench-finetune``).
+2 a usage error: every flag is checked before the first child starts (the working directory,
+memory cap, modes and batch sizes as ``bench-finetune`` checks them:
+:mod:`gds_offload.commands.run_args`).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, resolve_device, workdir_arg
 
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
 
 
-def batch_sizes_arg(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,4") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be positive integers")
-    return values
-
-
-def modes_arg(text: str, allowed: tuple[str, ...]) -> list[str]:
-    """``--modes``: a comma-separated list of ``allowed`` names.
-
-    Raises:
-        ConfigError: an unknown name, or none.
-    """
-    from gds_offload.errors import ConfigError
-
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in allowed]
-    if bad or not modes:
-        raise ConfigError(f"--modes {text!r}: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
-    return modes
-
-
-def default_workdir(tiny: bool) -> Path:
-    """``<tmp>/gds_offload-bench-weights[-tiny]-<uid>``: the user's own, private (0700) working directory."""
-    return Path(tempfile.gettempdir()) / f"gds_offload-bench-weights{'-tiny' if tiny else ''}-{os.getuid()}"
-
-
-def workdir_arg(given: str | None, *, tiny: bool) -> Path:
-    """The working directory of ``--workdir``, or :func:`default_workdir`: judged as ``attach()``
-    judges a spill directory (:func:`~gds_offload.io.directory.prepare_dir`; the default must be
-    the user's own), created 0700 when missing.
-
-    Raises:
-        ConfigError: an empty ``--workdir``, or a directory ``attach()`` would refuse.
-    """
-    from gds_offload.errors import ConfigError
-    from gds_offload.io.directory import prepare_dir
-
-    if given is None:
-        return prepare_dir(default_workdir(tiny), create=True, origin="default --workdir")
-    if not given.strip():
-        raise ConfigError(f"--workdir {given!r} is empty; pass a directory, or leave the flag out for {default_workdir(tiny)}")
-    return prepare_dir(Path(given), create=True, origin="--workdir")
-
-
-def memory_limit_arg(text: str | None) -> int | None:
-    """``--memory-limit``: ``None`` when left out, else a cap this machine can apply
-    (:func:`~gds_offload.bench.cgroup.check_limit`).
-
-    Raises:
-        ConfigError: not a size, 0, under 64 MiB, or no memory group can be made here.
-    """
-    from gds_offload.bench.cgroup import check_limit
-    from gds_offload.units import parse_bytes
-
-    if text is None:
-        return None
-    limit = parse_bytes(text, name="--memory-limit")
-    check_limit(limit, name=f"--memory-limit {text}")
-    return limit
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.run_args import positive_int
-
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model, short prompt: runs in seconds")
     p.add_argument("--modes", default="resident,drive,host,accelerate-disk", help="comma-separated (default: all four)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -137,7 +69,7 @@ def _depths(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
-    from gds_offload.commands.run_args import resolve_device
+    from gds_offload.bench.weights.doc import bench_document, emit
     from gds_offload.errors import ConfigError
     from gds_offload.io.factory import validate_mode
 
@@ -182,78 +114,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gds-offload bench-weights: {exc}", file=sys.stderr)
         return 2
-    emit(_document(args, report, started, workdir, commit), args.out)
+    emit(bench_document(report, started=started, workdir=workdir, commit=commit, title=args.title,
+                        command=getattr(args, "command_line", None), out=args.out, plot_to=args.plot), args.out)
     failed = [r for r in report["summary"] if r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False]
     return 1 if failed else 0
 
 
-def _document(args: argparse.Namespace, report: dict[str, Any], started: float, workdir: Path, commit: str | None) -> dict[str, Any]:
-    from gds_offload.bench.machine import describe_machine
-    from gds_offload.bench.weights.doc import document, fastest_raw, plot
-    from gds_offload.units import format_bytes
-
-    m, spec = report["model"], report["spec"]
-    size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])
-    cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
-    raw = (fastest_raw(report) or 0) / 1e9
-    loads = [x for r in report["results"] if r.get("load_avg") for x in r["load_avg"]]
-    load = f"; the machine's load average went from {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
-    about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
-             f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
-             f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
-             f"{spec['rounds']} round(s) interleaved, medians. "
-             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; the decodes of streamed-drive and "
-             f"accelerate-disk at each batch size are also run {spec.get('paired_raw', 0)} more times after the measured runs, each "
-             f"between raw passes of as many bytes of the file the mode reads, in its own process (x raw around it: the median; the "
-             f"two modes' use of the drive compares free of its drift). On the resident and streamed-host rows, "
-             f"x Accelerate is the ceiling a streamer that cost nothing would reach{_interference_line(report)}.")  # fmt: skip
-    title = args.title or f"Weights streamed from NVMe for inference ({spec['device']})"
-    plot_path = None
-    if args.out and args.out != "-" and args.plot != "":
-        target = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
-        try:
-            plot(report, target, title=title)
-            plot_path = target.as_posix()
-        except ImportError as exc:
-            print(f"gds-offload bench-weights: no plot: {exc}")
-    started_s = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
-    return document(report, title=title, about=about, command=getattr(args, "command_line", "gds-offload bench-weights"), commit=commit,
-                    machine=describe_machine(workdir).as_dict(), started=started_s, wall_s=time.time() - started, plot_path=plot_path)  # fmt: skip
-
-
-def _interference_line(report: dict[str, Any]) -> str:
-    probe = report.get("interference")
-    if not probe:
-        return ""
-    return (f". Compute shaped like the model's MLP ran {probe['slowdown']:.2f}x slower beside O_DIRECT reads at "
-            f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): what reading costs the compute on this machine")
-
-
-def emit(doc: dict[str, Any], out: str | None) -> None:
-    """Write the result file to ``out`` and print the table, or print the file (``out="-"``)."""
-    if out and out != "-":
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    if out == "-":
-        print(json.dumps(doc, indent=2, default=str))
-    else:
-        render(doc)
-
-
-def render(doc: dict[str, Any]) -> None:
-    """Print the result's table and targets (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=doc["title"], caption=doc["about"])
-    for col in doc["table"]["columns"]:
-        t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
-    for row in doc["table"]["rows"]:
-        t.add_row(*row)
-    console = Console(width=max(160, Console().width))
-    console.print(t)
-    for x in doc.get("targets") or []:
-        verdict = {True: "[green]met[/]", False: "[red]not met[/]", None: "not measured"}[x["met"]]
-        value = "-" if x["value"] is None else f"{x['value']:.2f}"
-        ceiling = f" (resident: {x['ceiling']:.2f})" if x.get("ceiling") else ""
-        console.print(f"target {x['target']} >= {x['need']}: {value} {verdict}{ceiling}")

@@ -1,16 +1,20 @@
-"""The flags that describe a training run, and the checks made before its first child starts.
+"""The flags that describe a training run, shared by the commands that train (not a command itself).
 
+``bench-weights`` and ``bench-finetune`` share their working directory, memory cap, modes and
+batch sizes (:func:`workdir_arg`, :func:`memory_limit_arg`, :func:`modes_arg`, :func:`batch_sizes_arg`).
 ``bench``, ``demo``, ``rok`` and ``demo --nproc`` train the same models with the same flags
 (:func:`add_model_arguments`) into one :class:`~gds_offload.bench.train.spec.RunSpec`
 (:func:`base_spec`), and refuse up front what a child process would refuse later
-(:func:`check_runs`: the model name, the offloader's arguments, the memory). The argparse
-types here (:data:`positive_int`, ...) serve every command: zero never means "the default".
+(:func:`gds_offload.bench.train.checks.check_runs`). The argparse types here
+(:data:`positive_int`, ...) serve every command: zero never means "the default".
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -19,11 +23,12 @@ __all__ = [
     "positive_float",
     "add_model_arguments",
     "resolve_device",
-    "check_model_name",
-    "available_memory",
-    "check_fits",
-    "check_runs",
     "base_spec",
+    "batch_sizes_arg",
+    "modes_arg",
+    "default_workdir",
+    "workdir_arg",
+    "memory_limit_arg",
 ]
 
 
@@ -100,128 +105,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def check_model_name(model: str) -> None:
-    """``--model`` names a built-in model or an importable ``pkg.module:factory``.
-
-    Raises:
-        ConfigError: an unknown name, a module that cannot be found, or transformers missing for llama/gpt2.
-    """
-    import importlib.util
-
-    from gds_offload.bench.train.workload import BUILTIN_MODELS
-    from gds_offload.errors import ConfigError
-
-    if model == "gpt":
-        return
-    if model in ("llama", "gpt2"):
-        if importlib.util.find_spec("transformers") is None:
-            raise ConfigError(f"--model {model} needs transformers; pip install transformers, or use --model gpt")
-        return
-    module, sep, attr = model.partition(":")
-    if not sep or not module or not attr.isidentifier():
-        raise ConfigError(f"--model {model!r} is unknown; expected {', '.join(BUILTIN_MODELS)} or pkg.module:factory")
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        raise ConfigError(f"--model {model}: no module {module!r} on sys.path (the current directory or PYTHONPATH)")
-
-
-def available_memory(device: str) -> tuple[int, str] | None:
-    """(bytes, where the figure comes from) a process can still allocate on ``device``; None if unknown."""
-    if device.startswith("cuda"):
-        import torch
-
-        index = torch.device(device).index or 0
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except OSError:
-        return None
-    return None
-
-
-def mode_needs(est: Any, mode: str, device: str) -> dict[str, int]:
-    """Bytes ``mode`` needs per memory (``"cpu"``, or the CUDA device and ``"cpu"`` for host copies)."""
-    from gds_offload.bench.train.spec import parse_mode
-
-    kind, engine = parse_mode(mode)
-    cuda = device.startswith("cuda")
-    if kind == "keep":
-        return {device: est.keep_bytes()}
-    if kind == "recompute":
-        return {device: est.recompute_bytes()}
-    if kind == "save_on_cpu" or engine == "host":
-        if not cuda:
-            return {device: est.keep_bytes()}  # host memory is where the activations were anyway
-        return {device: est.offload_bytes(), "cpu": est.activation_bytes}
-    return {device: est.offload_bytes()}
-
-
-def check_fits(base: Any, modes: list[str], *, copies: int = 1) -> None:
-    """Refuse, with the estimate, a built-in GPT run that cannot fit in this machine's memory.
-
-    ``copies``: processes that run it at once (``--nproc``); they share the host's memory,
-    and each has a GPU of its own.
-
-    Raises:
-        ConfigError: a mode needs more than is available (:func:`available_memory`).
-    """
-    from gds_offload.errors import ConfigError
-    from gds_offload.models.gpt import GPTConfig, estimate_memory
-    from gds_offload.units import format_bytes
-
-    if base.model != "gpt":
-        return  # the estimate is the built-in GPT's
-    est = estimate_memory(GPTConfig(base.layers, base.hidden, base.heads, base.seq, base.vocab, base.dropout), base.batch)
-    free: dict[str, tuple[int, str] | None] = {}
-    for mode in modes:
-        for where, need in mode_needs(est, mode, base.device).items():
-            need *= copies if where == "cpu" else 1
-            if where not in free:
-                free[where] = available_memory(where)
-            got = free[where]
-            if got is None or need <= got[0]:
-                continue
-            have, source = got
-            raise ConfigError(
-                f"{mode} needs about {format_bytes(need)} on {where}{f' ({copies} processes)' if copies > 1 else ''} (model, gradients and AdamW state "
-                f"{format_bytes(est.state_bytes)}; activations {format_bytes(est.activation_bytes)} in all, "
-                f"{format_bytes(est.layer_bytes)} per layer) but {format_bytes(have)} is available ({source}). "
-                f"Lower the sizes (--batch or --batches, --seq, --layers, --hidden)" + (", or leave out keep" if mode == "keep" else "")
-            )
-
-
-def check_runs(base: Any, modes: list[str]) -> None:
-    """Everything the runs' children would refuse, refused now, before the first one starts: the
-    model name, every offload mode's attach() arguments and spill directory, and the memory.
-
-    Raises:
-        ConfigError: the first problem, naming the flag.
-    """
-    from gds_offload.activations.config import OffloadConfig
-    from gds_offload.bench.train.spec import parse_mode
-
-    check_model_name(base.model)
-    for mode in modes:
-        kind, engine = parse_mode(mode)
-        if kind not in ("offload", "adaptive"):
-            continue
-        OffloadConfig.from_kwargs(
-            path=base.path, mode=engine or "auto", policy="adaptive" if kind == "adaptive" else base.policy,
-            keep_last=1 if base.keep_last is None else base.keep_last,
-            **({} if base.min_bytes is None else {"min_bytes": base.min_bytes}),
-            prefetch_bytes=base.prefetch_bytes, max_bandwidth=base.max_bandwidth, num_threads=base.num_threads,
-            origin="--path",
-        )
-    check_fits(base, modes)
-
-
 def base_spec(args: argparse.Namespace, device: str) -> Any:
     """The :class:`~gds_offload.bench.train.spec.RunSpec` the options describe (mode left as ``keep``).
 
@@ -277,3 +160,69 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
         paired=getattr(args, "paired", False),
         data=data,
     )
+
+
+# ---------------------------------------------------------------- the weight benchmarks' flags
+def batch_sizes_arg(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be positive integers")
+    return values
+
+
+def modes_arg(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """``--modes``: a comma-separated list of ``allowed`` names.
+
+    Raises:
+        ConfigError: an unknown name, or none.
+    """
+    from gds_offload.errors import ConfigError
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in allowed]
+    if bad or not modes:
+        raise ConfigError(f"--modes {text!r}: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
+    return modes
+
+
+def default_workdir(tiny: bool) -> Path:
+    """``<tmp>/gds_offload-bench-weights[-tiny]-<uid>``: the user's own, private (0700) working directory."""
+    return Path(tempfile.gettempdir()) / f"gds_offload-bench-weights{'-tiny' if tiny else ''}-{os.getuid()}"
+
+
+def workdir_arg(given: str | None, *, tiny: bool) -> Path:
+    """The working directory of ``--workdir``, or :func:`default_workdir`: judged as ``attach()``
+    judges a spill directory (:func:`~gds_offload.io.directory.prepare_dir`; the default must be
+    the user's own), created 0700 when missing.
+
+    Raises:
+        ConfigError: an empty ``--workdir``, or a directory ``attach()`` would refuse.
+    """
+    from gds_offload.errors import ConfigError
+    from gds_offload.io.directory import prepare_dir
+
+    if given is None:
+        return prepare_dir(default_workdir(tiny), create=True, origin="default --workdir")
+    if not given.strip():
+        raise ConfigError(f"--workdir {given!r} is empty; pass a directory, or leave the flag out for {default_workdir(tiny)}")
+    return prepare_dir(Path(given), create=True, origin="--workdir")
+
+
+def memory_limit_arg(text: str | None) -> int | None:
+    """``--memory-limit``: ``None`` when left out, else a cap this machine can apply
+    (:func:`~gds_offload.bench.cgroup.check_limit`).
+
+    Raises:
+        ConfigError: not a size, 0, under 64 MiB, or no memory group can be made here.
+    """
+    from gds_offload.bench.cgroup import check_limit
+    from gds_offload.units import parse_bytes
+
+    if text is None:
+        return None
+    limit = parse_bytes(text, name="--memory-limit")
+    check_limit(limit, name=f"--memory-limit {text}")
+    return limit

@@ -14,7 +14,7 @@ from test_launchers import clean_env
 from gds_offload.bench.docs.report import load_sections, render_page
 from gds_offload.bench.train.ranks_runner import RankedResult, combine_ranks
 from gds_offload.bench.train.runner import RunResult
-from gds_offload.commands.bench_ranks import one_process_path, ranks_agree, summarize_settings
+from gds_offload.bench.train.ranks_suite import one_process_path, ranks_agree, summarize_settings
 
 TINY = ["--layers", "2", "--hidden", "64", "--seq", "64", "--batch", "2", "--vocab", "256", "--steps", "2", "--warmup", "1",
         "--min-bytes", "0", "--plot", ""]

@@ -22,10 +22,8 @@ mode's median by a third between processes, hit both sides alike.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import statistics
 import sys
 import time
@@ -34,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from gds_offload.bench.procs import die_with_parent
+from gds_offload.bench.procs import emit, read_spec
 from gds_offload.bench.train.memory import Peak, adamw_with_state, proc_status_bytes
-from gds_offload.bench.train.spec import EVENT_PREFIX, RunResult, RunSpec, Unavailable, attach_kwargs, parse_mode
+from gds_offload.bench.train.spec import RunResult, RunSpec, Unavailable, attach_kwargs, parse_mode
 from gds_offload.bench.train.workload import Workload, build_workload
 
 if TYPE_CHECKING:
@@ -45,7 +43,6 @@ if TYPE_CHECKING:
     from gds_offload.activations.offloader import Offloader
 
 __all__ = [
-    "emit_event",
     "run_here",
     "exact_in_process",
     "abba_first_half",
@@ -70,12 +67,6 @@ def in_process_verdict(exact: bool) -> str:
         return ("[green]bit-identical in one process[/] (2 steps without, then with the offloader, every loss and "
                 "gradient): the difference came from separate processes, not the offloader")
     return "[red]NOT bit-identical in one process: the offloader changed a result; please report it[/]"
-
-
-def emit_event(event: dict[str, Any]) -> None:
-    """Write ``event`` to stdout as one line the parent reads (``EVENT_PREFIX`` + JSON)."""
-    sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
-    sys.stdout.flush()
 
 
 def _params_digest(model: Any) -> str:
@@ -298,7 +289,7 @@ def _measure(trainer: _Trainer, peak: Peak) -> int | None:
 
 def run_here(
     spec: RunSpec,
-    emit: Callable[[dict[str, Any]], None] = emit_event,
+    emit: Callable[[dict[str, Any]], None] = emit,  # the protocol's (gds_offload.bench.procs.emit)
     workload: Callable[[RunSpec], Workload] = build_workload,
 ) -> RunResult:
     """Run ``spec`` in this process (the child's job; call :func:`~gds_offload.bench.train.runner.run_mode` instead).
@@ -362,12 +353,8 @@ def run_here(
 
 
 def child_spec(argv: list[str] | None, module: str, description: str) -> RunSpec:
-    """A child's only argument, ``--spec JSON``, read once the child is tied to its parent (:func:`die_with_parent`)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    parser.add_argument("--spec", required=True, help="a RunSpec as JSON")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    return RunSpec.from_json(args.spec)
+    """A child's :class:`RunSpec` (its ``--spec JSON``, read by :func:`~gds_offload.bench.procs.read_spec`)."""
+    return RunSpec.from_json(read_spec(argv, module, description))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         result = RunResult(spec.mode, "error", f"{type(exc).__name__}: {exc}", spec.model, spec.device, spec.tokens_per_step)
     result.wall_s = time.perf_counter() - t0
-    emit_event({"event": "result", **result.as_dict()})
+    emit({"event": "result", **result.as_dict()})
     return 1 if result.status == "error" else 0
 
 

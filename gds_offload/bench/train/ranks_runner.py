@@ -25,7 +25,8 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from gds_offload.bench.train.child import child_spec, emit_event, run_here
+from gds_offload.bench.procs import emit
+from gds_offload.bench.train.child import child_spec, run_here
 from gds_offload.bench.train.runner import run_mode
 from gds_offload.bench.train.spec import RunResult, RunSpec, Unavailable
 from gds_offload.bench.train.torchrun import torchrun_command
@@ -127,22 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = replace(spec, progress=spec.progress and rank == 0)  # one rank's progress is the job's
     try:
-        mine = run_here(spec, emit_event if rank == 0 else lambda _ev: None, lambda s: ddp_workload(s, rank, world))
+        mine = run_here(spec, emit if rank == 0 else lambda _ev: None, lambda s: ddp_workload(s, rank, world))
     except BaseException as exc:
         # torchrun stops the other ranks when this one exits: say first which rank failed, and why.
         if not isinstance(exc, (Unavailable, KeyboardInterrupt, SystemExit)):
             traceback.print_exc()
         status = "unavailable" if isinstance(exc, Unavailable) else "error"
         why = f"unavailable: {exc}" if status == "unavailable" else f"{type(exc).__name__}: {exc}"
-        emit_event({"event": "rank_error", "rank": rank, "status": status, "error": why, "time": time.time()})
+        emit({"event": "rank_error", "rank": rank, "status": status, "error": why, "time": time.time()})
         return UNAVAILABLE_EXIT if status == "unavailable" else 1
     results: list[Any] = [None] * world
     dist.all_gather_object(results, mine.as_dict())
     if rank == 0:
         known = {f.name for f in fields(RunResult)}
         ranks = [RunResult(**{k: v for k, v in r.items() if k in known}) for r in results]
-        emit_event({"event": "ranks", "ranks": results})
-        emit_event({"event": "result", **combine_ranks(ranks).as_dict()})
+        emit({"event": "ranks", "ranks": results})
+        emit({"event": "result", **combine_ranks(ranks).as_dict()})
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
     return 0

@@ -28,19 +28,12 @@ What a run is and the mode names: :mod:`gds_offload.bench.train.spec`; the model
 """
 from __future__ import annotations
 
-import collections
-import json
-import os
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from gds_offload.bench.procs import reap, spawn
-from gds_offload.bench.train.spec import EVENT_PREFIX, RunResult, RunSpec
+from gds_offload.bench.procs import child_command, child_env, run_child
+from gds_offload.bench.train.spec import RunResult, RunSpec
 
 __all__ = ["run_mode"]
 
@@ -64,76 +57,28 @@ def run_mode(
         argv: the command to start instead of this module's child: a launcher whose children
             emit the same events (``bench --nproc``: torchrun, see :mod:`gds_offload.bench.train.ranks_runner`).
     """
-    cmd = argv or [python or sys.executable, "-m", "gds_offload.bench.train.child", "--spec", spec.to_json()]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # see the module doc: bit-identical across processes
+    cmd = argv or child_command("gds_offload.bench.train.child", spec.to_json(), python=python)
+    env = child_env()  # MKL_CBWR: see the module doc (bit-identical across processes)
+    if spec.device.startswith("cuda"):
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if spec.measure_memory and not spec.device.startswith("cuda"):
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if spec.device.startswith("cuda"):
-        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    t0 = time.perf_counter()
+
+    def progress(event: dict[str, Any]) -> None:
+        if on_event is not None and event.get("event") != "result":
+            on_event(event)
+
     try:
-        proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        run = run_child(cmd, env=env, timeout_s=timeout_s, on_event=progress)
     except OSError as exc:
         return RunResult(spec.mode, "error", f"cannot start {cmd[0]}: {exc}", spec.model, spec.device)
-    timer = None
-    try:
-        err_tail: collections.deque[str] = collections.deque(maxlen=40)
-        assert proc.stderr is not None, "stderr is a pipe"
-        reader = threading.Thread(target=err_tail.extend, args=(proc.stderr,), daemon=True)
-        reader.start()
-        timed_out = threading.Event()
-        if timeout_s:
-            timer = threading.Timer(timeout_s, _kill_on_timeout, (proc, timed_out))
-            timer.daemon = True
-            timer.start()
-        result = _read_events(proc, on_event)
-        rc = proc.wait()
-    finally:
-        if timer is not None:
-            timer.cancel()
-        reap(proc)  # a no-op after wait(); on an exception (a stop signal) it stops the child first
-    reader.join(timeout=5)
-    wall = time.perf_counter() - t0
+    result = run.last("result")
     if result is not None:
         result.pop("event", None)
         out = RunResult(**{k: v for k, v in result.items() if k in {f.name for f in fields(RunResult)}})
-        out.returncode, out.wall_s = rc, wall
+        out.returncode, out.wall_s = run.returncode, run.wall_s
         return out
-    if timed_out.is_set():
-        why = f"timed out after {timeout_s:.0f} s (killed)"
-    elif rc == -9:
-        why = "killed by SIGKILL (out of memory? see `dmesg`)"
-    elif rc < 0:
-        why = f"killed by signal {-rc}"
-    else:
-        why = f"exit code {rc}"
-    tail = "".join(err_tail).strip().splitlines()[-3:]
-    detail = f"{why}: {' | '.join(tail)}" if tail else why
-    return RunResult(spec.mode, "error", detail, spec.model, spec.device, spec.tokens_per_step, wall_s=wall, returncode=rc)
-
-
-def _kill_on_timeout(proc: subprocess.Popen[str], timed_out: threading.Event) -> None:
-    """The timer's job in :func:`run_mode`: say why the child ends, then end it."""
-    timed_out.set()
-    proc.kill()
-
-
-def _read_events(proc: subprocess.Popen[str], on_event: Callable[[dict[str, Any]], None] | None) -> dict[str, Any] | None:
-    """Pass the child's progress events to ``on_event`` until its stdout ends; return its result event."""
-    result: dict[str, Any] | None = None
-    assert proc.stdout is not None, "stdout is a pipe"
-    for line in proc.stdout:
-        if not line.startswith(EVENT_PREFIX):
-            continue
-        try:
-            event = json.loads(line[len(EVENT_PREFIX) :])
-        except json.JSONDecodeError:
-            continue
-        if event.get("event") == "result":
-            result = event
-        elif on_event is not None:
-            on_event(event)
-    return result
+    return RunResult(spec.mode, "error", run.failure(), spec.model, spec.device, spec.tokens_per_step, wall_s=run.wall_s,
+                     returncode=run.returncode)  # fmt: skip

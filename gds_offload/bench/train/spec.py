@@ -31,11 +31,8 @@ __all__ = [
     "compare_losses",
     "paired_ratios",
     "attach_kwargs",
-    "EVENT_PREFIX",
 ]
 
-#: Lines of the child's stdout that carry events start with this; anything else is ignored.
-EVENT_PREFIX = "@@gds_offload.bench "
 _SIMPLE_MODES = ("keep", "recompute", "save_on_cpu")
 _ENGINES = ("auto", "gds", "compat", "posix", "host")
 

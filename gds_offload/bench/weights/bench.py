@@ -42,20 +42,19 @@ import json
 import os
 import shutil
 import statistics
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "prepare", "remove_offload_folders", "run_bench",
+from gds_offload.bench import procs
+
+__all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "child_rows", "serve_rows", "prepare", "remove_offload_folders", "run_bench",
            "run_mode", "run_rounds", "summarize", "weight_files"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
 #: Modes run under ``memory_limit``; the others hold every weight in memory by design.
 CAPPED = ("drive", "accelerate-disk")
-#: Prefix of the child's result lines on its stdout.
-PREFIX = "@@gds_offload.bench-weights "
 
 
 @dataclass(frozen=True)
@@ -245,35 +244,46 @@ def weight_files(checkpoint: Path, store: Path) -> list[Path]:
 
 
 def child_env() -> dict[str, str]:
-    """A benchmark child's environment: offline, bit-identical kernels across processes (see
-    gds_offload/bench/train/runner.py), and large frees back to the kernel in every mode (see the module doc)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="1048576")
-    env.setdefault("MKL_CBWR", "AUTO,STRICT")
-    return env
+    """A benchmark child's environment (:func:`gds_offload.bench.procs.child_env`), offline, and
+    large frees back to the kernel in every mode (see the module doc)."""
+    return procs.child_env({"HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"})
+
+
+def child_rows(module: str, spec: ChildSpec, *, memory_limit: int | None, timeout_s: float) -> tuple[list[dict[str, Any]], procs.ChildRun]:
+    """Run ``spec`` in ``python -m module`` (under a memory cap if given): the ``row`` events it
+    emitted (one per batch size; a batch's last row wins), and how it ended."""
+    run = procs.run_child(procs.child_command(module, json.dumps(asdict(spec))), env=child_env(), memory_limit=memory_limit,
+                          timeout_s=timeout_s)  # fmt: skip
+    rows = {e["batch"]: {k: v for k, v in e.items() if k != "event"} for e in run.events if e.get("event") == "row"}
+    return list(rows.values()), run
+
+
+def serve_rows(argv: list[str] | None, module: str, spec_type: Callable[..., Any], run: Callable[[Any], Iterable[Any]]) -> int:
+    """A child's side of :func:`child_rows`: read its ``--spec`` (``batch_sizes`` a list in JSON),
+    then emit each dataclass ``run(spec)`` yields as a ``row`` event."""
+    spec_d = json.loads(procs.read_spec(argv, module, f"one mode of a weight benchmark ({module})"))
+    spec = spec_type(**(spec_d | {"batch_sizes": tuple(spec_d["batch_sizes"])}))
+    for r in run(spec):
+        procs.emit({"event": "row", **asdict(r)})
+    return 0
 
 
 def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
     """Run one mode in a child process (under a memory cap if given) after dropping the weights'
     page cache; errors become ``status="error"`` rows."""
-    from gds_offload.bench.cgroup import run_capped
     from gds_offload.bench.weights.drive import cached_bytes, evict
 
     files = weight_files(Path(spec.checkpoint), Path(spec.store))
     evict(files)
     cached = cached_bytes(files)
     fraction = sum(c for c, _ in cached.values()) / max(1, sum(n for _, n in cached.values()))
-    env = child_env()
     load_before = os.getloadavg()[0]
-    cmd = [sys.executable, "-m", "gds_offload.bench.weights.child", json.dumps(asdict(spec))]
-    run = run_capped(cmd, env=env, memory_limit=memory_limit, timeout_s=timeout_s)
-    out, err, rep = run.out, run.err, run.cap
-    # A batch's last line wins: the drive-reading children repeat each batch's line with the raw pairs.
-    rows = list({r["batch"]: r for r in (json.loads(line[len(PREFIX):]) for line in out.splitlines() if line.startswith(PREFIX))}.values())
+    # A batch's last row wins: the drive-reading children repeat each batch's row with the raw pairs.
+    rows, run = child_rows("gds_offload.bench.weights.child", spec, memory_limit=memory_limit, timeout_s=timeout_s)
+    rep = run.cap
     if run.returncode != 0:  # the batch sizes it did not report failed
-        why = f"child exited {run.returncode}" + (" (killed: out of memory under the cap?)" if run.returncode == -9 else "")
-        tail = " | ".join(err.strip().splitlines()[-3:])
         done = {r["batch"] for r in rows}
-        rows += [asdict(ModeResult(spec.mode, b, status="error", error=f"{why}: {tail}")) for b in spec.batch_sizes if b not in done]
+        rows += [asdict(ModeResult(spec.mode, b, status="error", error=run.failure())) for b in spec.batch_sizes if b not in done]
     results = [ModeResult(**r) for r in rows]
     for r in results:
         r.cached_fraction_before, r.load_avg = fraction, (load_before, os.getloadavg()[0])

@@ -32,8 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.cgroup import serve_child
-from gds_offload.bench.weights.bench import PREFIX, BenchSpec, ModeResult
+from gds_offload.bench.weights.bench import BenchSpec, ModeResult, serve_rows
 
 __all__ = ["run_child", "load_mode", "own_memory", "peak_rss", "read_bytes"]
 
@@ -223,8 +222,8 @@ def _result(spec: BenchSpec, batch: int, runs: list[dict[str, Any]], load_s: flo
     return r
 
 
-def main(argv: list[str]) -> int:
-    return serve_child(argv, BenchSpec, run_child, PREFIX)
+def main(argv: list[str] | None = None) -> int:
+    return serve_rows(argv, "gds_offload.bench.weights.child", BenchSpec, run_child)
 
 
 if __name__ == "__main__":

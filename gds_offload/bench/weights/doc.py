@@ -21,12 +21,19 @@ is below the need, the target is out of reach here.
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from gds_offload.bench.machine import describe_machine
 from gds_offload.units import format_bytes
 
-__all__ = ["LABELS", "fastest_raw", "fastest_read", "targets", "table", "plot", "document"]
+__all__ = ["LABELS", "bench_document", "emit", "fastest_raw", "fastest_read", "targets", "table", "plot", "document", "render"]
 
 #: How modes are named on the page.
 LABELS = {"resident": "resident", "drive": "streamed-drive", "host": "streamed-host", "accelerate-disk": "accelerate-disk"}
@@ -180,3 +187,72 @@ def document(report: dict[str, Any], *, title: str, about: str, command: str, co
         "table": table(report),
         "targets": targets(report),
     } | report
+
+
+def bench_document(report: dict[str, Any], *, started: float, workdir: Path, commit: str | None, title: str | None, command: str | None,
+                   out: str | None, plot_to: str | None) -> dict[str, Any]:
+    """``bench-weights``' result file from :func:`~gds_offload.bench.weights.bench.run_bench`'s report: the
+    text that says what ran, the plot (next to ``out``, or at ``plot_to``; ``""``: none) and :func:`document`."""
+    m, spec = report["model"], report["spec"]
+    size = format_bytes(m["layers_nbytes"] + m["resident_nbytes"])
+    cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
+    raw = (fastest_raw(report) or 0) / 1e9
+    loads = [x for r in report["results"] if r.get("load_avg") for x in r["load_avg"]]
+    load = f"; the machine's load average went from {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
+    about = (f"A {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} weights, random, from a safetensors checkpoint) on {spec['device']}, "
+             f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
+             f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
+             f"{spec['rounds']} round(s) interleaved, medians. "
+             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; the decodes of streamed-drive and "
+             f"accelerate-disk at each batch size are also run {spec.get('paired_raw', 0)} more times after the measured runs, each "
+             f"between raw passes of as many bytes of the file the mode reads, in its own process (x raw around it: the median; the "
+             f"two modes' use of the drive compares free of its drift). On the resident and streamed-host rows, "
+             f"x Accelerate is the ceiling a streamer that cost nothing would reach{_interference_line(report)}.")  # fmt: skip
+    title = title or f"Weights streamed from NVMe for inference ({spec['device']})"
+    plot_path = None
+    if out and out != "-" and plot_to != "":
+        target = Path(plot_to) if plot_to else Path(out).with_suffix(".png")
+        try:
+            plot(report, target, title=title)
+            plot_path = target.as_posix()
+        except ImportError as exc:
+            print(f"gds-offload bench-weights: no plot: {exc}")
+    started_s = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
+    return document(report, title=title, about=about, command=command or "gds-offload bench-weights", commit=commit,
+                    machine=describe_machine(workdir).as_dict(), started=started_s, wall_s=time.time() - started, plot_path=plot_path)  # fmt: skip
+
+
+def _interference_line(report: dict[str, Any]) -> str:
+    probe = report.get("interference")
+    if not probe:
+        return ""
+    return (f". Compute shaped like the model's MLP ran {probe['slowdown']:.2f}x slower beside O_DIRECT reads at "
+            f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): what reading costs the compute on this machine")
+
+
+def emit(doc: dict[str, Any], out: str | None) -> None:
+    """Write the result file to ``out`` and print the table, or print the file (``out="-"``)."""
+    if out and out != "-":
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if out == "-":
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        render(doc)
+
+
+def render(doc: dict[str, Any]) -> None:
+    """Print the result's table and targets (rich)."""
+
+    t = Table(title=doc["title"], caption=doc["about"])
+    for col in doc["table"]["columns"]:
+        t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
+    for row in doc["table"]["rows"]:
+        t.add_row(*row)
+    console = Console(width=max(160, Console().width))
+    console.print(t)
+    for x in doc.get("targets") or []:
+        verdict = {True: "[green]met[/]", False: "[red]not met[/]", None: "not measured"}[x["met"]]
+        value = "-" if x["value"] is None else f"{x['value']:.2f}"
+        ceiling = f" (resident: {x['ceiling']:.2f})" if x.get("ceiling") else ""
+        console.print(f"target {x['target']} >= {x['need']}: {value} {verdict}{ceiling}")

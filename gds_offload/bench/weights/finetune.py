@@ -12,19 +12,19 @@ saved, :mod:`gds_offload.weights.backward`), so a larger batch hides the reads b
 """
 from __future__ import annotations
 
-import json
-import sys
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_env, prepare, run_rounds, summarize, weight_files
+from gds_offload.bench.machine import describe_machine
+from gds_offload.bench.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_rows, prepare, run_rounds, summarize, weight_files
+from gds_offload.units import format_bytes
 from gds_offload.weights.manifest import read_manifest
 
-__all__ = ["FinetuneSpec", "StepResult", "PREFIX", "run_finetune_bench", "finetune_table", "MODES"]
+__all__ = ["FinetuneSpec", "StepResult", "finetune_document", "run_finetune_bench", "finetune_table", "MODES"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
-PREFIX = "@@gds_offload.bench-finetune "
 _LABELS = {"resident": "resident", "drive": "streamed-drive", "host": "streamed-host", "accelerate-disk": "accelerate-disk"}
 
 
@@ -62,17 +62,14 @@ class StepResult(ChildResult):
 
 def run_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float = 3600) -> list[StepResult]:
     """Run one mode in a child (under the cap if given) after dropping the weights' page cache."""
-    from gds_offload.bench.cgroup import run_capped
     from gds_offload.bench.weights.drive import evict
 
     evict(weight_files(Path(spec.checkpoint), Path(spec.store)))
-    cmd = [sys.executable, "-m", "gds_offload.bench.weights.finetune_child", json.dumps(asdict(spec))]
-    run = run_capped(cmd, env=child_env(), memory_limit=memory_limit, timeout_s=timeout_s)
-    rows = [StepResult(**json.loads(line[len(PREFIX) :])) for line in run.out.splitlines() if line.startswith(PREFIX)]
+    found, run = child_rows("gds_offload.bench.weights.finetune_child", spec, memory_limit=memory_limit, timeout_s=timeout_s)
+    rows = [StepResult(**r) for r in found]
     done = {r.batch for r in rows}
     if run.returncode != 0 or any(r.status != "ok" for r in rows):
-        why = rows[-1].error if rows and rows[-1].error else f"child exited {run.returncode}" + (
-            " (killed: out of memory under the cap?)" if run.returncode == -9 else f": {' | '.join(run.err.strip().splitlines()[-3:])}")
+        why = rows[-1].error if rows and rows[-1].error else run.failure()
         rows += [StepResult(spec.mode, b, status="error", error=f"not run after batch {max(done)}: {why}" if done else why)
                  for b in spec.batch_sizes if b not in done]  # fmt: skip
     for r in rows:
@@ -135,3 +132,29 @@ def finetune_table(report: dict[str, Any]) -> dict[str, Any]:
                     format_bytes(r["read_bytes_per_step"] or 0), "-" if r["backward_reads_per_step"] is None else f"{r['backward_reads_per_step']:g}",
                     (format_bytes(peak) if peak else "-") + cap, same])  # fmt: skip
     return {"columns": cols, "rows": out}
+
+
+def finetune_document(report: dict[str, Any], *, started: float, workdir: Path, commit: str | None, title: str | None,
+                      command: str | None) -> dict[str, Any]:
+    """``bench-finetune``'s result file from :func:`run_finetune_bench`'s report (``kind: "table"``)."""
+    m, spec = report["model"], report["spec"]
+    size = format_bytes(m["weights_nbytes"])
+    cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
+    about = (f"LoRA (rank {spec['rank']}, q/k/v/o projections, PEFT) on a {m['layers']}-layer Llama-shaped model ({size} of {m['dtype']} "
+             f"weights, random, from a safetensors checkpoint), sequences of {spec['seq_len']} tokens, AdamW"
+             f"{', Hugging Face gradient checkpointing (non-reentrant) in every mode' if spec.get('checkpointing') else ''}; per batch size one step not "
+             f"measured, then the median of {spec['steps']}. streamed-drive and accelerate-disk under {cap}, resident and streamed-host "
+             f"uncapped; every child with MALLOC_MMAP_THRESHOLD_=1048576; {spec['rounds']} round(s) interleaved, medians. Every mode starts "
+             f"from the same adapters; its losses (exact) and trained adapters (xxh3) are compared with resident's.")  # fmt: skip
+    return {
+        "kind": "table",
+        "title": title or f"LoRA fine-tuning with streamed weights{' and gradient checkpointing' if spec.get('checkpointing') else ''} (cpu)",
+        "about": about,
+        "command": command or "gds-offload bench-finetune",
+        "commit": commit,
+        "machine": describe_machine(workdir).as_dict(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_s": time.time() - started,
+        "table": finetune_table(report),
+        **report,
+    }

@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.cgroup import serve_child
+from gds_offload.bench.weights.bench import serve_rows
 from gds_offload.bench.weights.child import own_memory, peak_rss, read_bytes
-from gds_offload.bench.weights.finetune import PREFIX, FinetuneSpec, StepResult
+from gds_offload.bench.weights.finetune import FinetuneSpec, StepResult
 
 __all__ = ["run_child"]
 
@@ -137,8 +137,8 @@ def _step(model: Any, opt: Any, ids: Any) -> dict[str, Any]:
     return {"s": time.perf_counter() - t0, "read": read_bytes() - r0, "loss": float(loss).hex()}
 
 
-def main(argv: list[str]) -> int:
-    return serve_child(argv, FinetuneSpec, run_child, PREFIX)
+def main(argv: list[str] | None = None) -> int:
+    return serve_rows(argv, "gds_offload.bench.weights.finetune_child", FinetuneSpec, run_child)
 
 
 if __name__ == "__main__":

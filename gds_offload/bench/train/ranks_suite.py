@@ -1,14 +1,14 @@
-"""``gds-offload bench --nproc N``: every mode on one process and on N DDP ranks, interleaved, in one run.
+"""``gds-offload bench --nproc N``'s runs: every mode on one process and on N DDP ranks, interleaved, in one run.
 
 Per mode there are two runs per round: the one-process run of ``bench``
 (:func:`~gds_offload.bench.train.runner.run_mode`) and the same mode on ``N`` ranks under torchrun
 (:func:`~gds_offload.bench.train.ranks_runner.run_ranked`), with the same model, the same per-rank
 batch and the same number of torch threads per process (``torch.set_num_threads``: the usable
 CPUs divided by ``N``, at least 1), so one process computes as one rank does. The runs of a
-round go in the order of :func:`~gds_offload.commands.bench.round_order` over the
+round go in the order of :func:`~gds_offload.bench.train.suite.round_order` over the
 (mode, processes) pairs, each round starting one pair later.
 
-Each setting is summarised on its own (:func:`~gds_offload.commands.bench.summarize`): the
+Each setting is summarised on its own (:func:`~gds_offload.bench.train.suite.summarize`): the
 ``x keep`` of a mode is its step time over ``keep``'s in the same setting and round, and its
 losses (and final weights) are compared bit for bit with ``keep``'s in the same setting, on
 every rank. The offloader's per-rank overhead on N ranks against its overhead on one
@@ -26,17 +26,13 @@ with ``keep``'s; 1 when not; 2 for bad options.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
 from dataclasses import asdict, replace
 from typing import Any
 
 from gds_offload.bench.train.ranks_runner import RankedResult
 
-__all__ = ["run", "per_process_threads", "one_process_path", "ranks_agree", "summarize_settings"]
+__all__ = ["check_ranked", "per_process_threads", "one_process_path", "ranks_agree", "render", "run_all", "summarize_settings"]
 
 
 def per_process_threads(nproc: int) -> int:
@@ -60,7 +56,7 @@ def one_process_path(path: str | None, nproc: int) -> str | None:
 
 
 def check_ranked(base: Any, modes: list[str], nproc: int) -> None:
-    """What :func:`~gds_offload.commands.bench.check_runs` refuses, for every rank's spill
+    """What :func:`~gds_offload.bench.train.checks.check_runs` refuses, for every rank's spill
     directory, and the memory of ``nproc`` processes at once.
 
     Raises:
@@ -69,7 +65,7 @@ def check_ranked(base: Any, modes: list[str], nproc: int) -> None:
     import torch
 
     from gds_offload.activations.spill.ranks import AUTO, node_placements
-    from gds_offload.commands.run_args import check_fits, check_runs
+    from gds_offload.bench.train.checks import check_fits, check_runs
     from gds_offload.errors import ConfigError
 
     if base.device.startswith("cuda"):
@@ -102,10 +98,10 @@ def ranks_agree(results: list[RankedResult]) -> dict[str, bool | None]:
 
 
 def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any]:
-    """Both settings summarised (:func:`~gds_offload.commands.bench.summarize`, plus every
+    """Both settings summarised (:func:`~gds_offload.bench.train.suite.summarize`, plus every
     rank's losses on N ranks), and per mode its ``scaling``: the N-rank ``x keep`` over the
     one-process one (the medians' ratio, and round by round where both settings ran)."""
-    from gds_offload.commands.bench import summarize
+    from gds_offload.bench.train.suite import summarize
 
     settings = {}
     for n in (1, nproc):
@@ -139,11 +135,11 @@ def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any
     }
 
 
-def _run_all(single: Any, ranked: Any, modes: list[str], nproc: int, *, timeout_s: float, rounds: int, status: Any) -> list[RankedResult]:
+def run_all(single: Any, ranked: Any, modes: list[str], nproc: int, *, timeout_s: float, rounds: int, status: Any) -> list[RankedResult]:
     """Every (mode, processes) pair, ``rounds`` times, in :func:`round_order`."""
     from gds_offload.bench.train.ranks_runner import run_ranked
     from gds_offload.bench.train.runner import run_mode
-    from gds_offload.commands.bench import round_order
+    from gds_offload.bench.train.suite import round_order
 
     pairs = [(mode, n) for mode in modes for n in (1, nproc)]
     results: list[RankedResult] = []
@@ -169,7 +165,7 @@ def _run_all(single: Any, ranked: Any, modes: list[str], nproc: int, *, timeout_
     return results
 
 
-def _render(doc: dict[str, Any], title: str) -> None:
+def render(doc: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -193,49 +189,3 @@ def _render(doc: dict[str, Any], title: str) -> None:
     for r in doc["results"]:
         if r["status"] != "ok":  # error texts are the ranks' own: printed as they are, not as markup
             console.print(f"[bold]{r['mode']} on {r['nproc']} process(es)[/], round {r['round'] + 1}: {escape(r['error'])}")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``gds-offload bench`` with ``--nproc`` above 1."""
-    from rich.console import Console
-
-    from gds_offload.commands.bench import check_in_process, results_doc, select_modes, unexplained_differences
-    from gds_offload.commands.run_args import base_spec, resolve_device
-    from gds_offload.errors import ConfigError
-
-    nproc = args.nproc
-    try:
-        device = resolve_device(args.device)
-        threads = per_process_threads(nproc)
-        ranked = replace(base_spec(args, device), torch_threads=threads)
-        modes = select_modes(args.modes, device, ranked.path)
-        check_ranked(ranked, modes, nproc)
-        single = replace(ranked, path=one_process_path(ranked.path, nproc))
-    except (ConfigError, ValueError) as exc:
-        print(f"gds-offload bench: {exc}", file=sys.stderr)
-        return 2
-    console = Console(stderr=True)
-    started, load_before = time.time(), os.getloadavg()
-    if args.json:
-        results = _run_all(single, ranked, modes, nproc, timeout_s=args.timeout, rounds=args.rounds, status=None)
-    else:
-        with console.status("starting") as status:
-            results = _run_all(single, ranked, modes, nproc, timeout_s=args.timeout, rounds=args.rounds, status=status)
-    summary = summarize_settings(results, nproc)
-    for setting in summary["settings"].values():
-        if setting["all_losses_agree"] is False:
-            check_in_process(setting, single, console)  # the offloader alone, in one process
-    doc = results_doc(args, "bench-ranks", started, load_before, spec=ranked, path=single.path, modes=modes, summary=summary,
-                      results=results, nproc=nproc, torch_threads=threads, one_process_path=single.path)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        title = (f"gds-offload bench: {ranked.model} layers={ranked.layers} hidden={ranked.hidden} seq={ranked.seq} "
-                 f"batch={ranked.batch} per process on {device}, 1 process and {nproc} DDP ranks, {threads} torch thread(s) each")
-        if args.rounds > 1:
-            title += f"; {args.rounds} interleaved rounds, x keep = median of per-round ratios"
-        _render(doc, title)
-        if args.out:
-            Console().print(f"results: {args.out}")
-    bad = summary["failed"] or [m for s in summary["settings"].values() for m in unexplained_differences(s)]
-    return 1 if bad else 0

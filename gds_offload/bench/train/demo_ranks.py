@@ -17,63 +17,26 @@ largest rank's) against the bytes it saved per step.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
 from typing import Any
 
-__all__ = ["launch", "main"]
+import gds_offload
+from gds_offload.activations.spill.ranks import rank_env
+from gds_offload.bench.train.child import child_spec
+from gds_offload.bench.train.spec import attach_kwargs, parse_mode
+from gds_offload.bench.train.workload import build_workload
+from gds_offload.units import format_bytes
 
-
-def _forwarded(args: argparse.Namespace) -> list[str]:
-    """The demo's command-line options, less ``--nproc``."""
-    words = shlex.split(getattr(args, "command_line", ""))[2:]  # after "gds-offload demo"
-    out: list[str] = []
-    skip = False
-    for w in words:
-        if skip:
-            skip = False
-        elif w == "--nproc":
-            skip = True
-        elif not w.startswith("--nproc="):
-            out.append(w)
-    return out
-
-
-def launch(args: argparse.Namespace) -> int:
-    """Check the options, then start ``args.nproc`` ranks of this demo under torchrun; their exit code (2: bad options)."""
-    from gds_offload.bench.train.spec import parse_mode
-    from gds_offload.bench.train.torchrun import torchrun_command
-    from gds_offload.commands.run_args import base_spec, resolve_device
-    from gds_offload.errors import ConfigError
-
-    try:
-        if args.nproc < 2:
-            raise ConfigError(f"--nproc {args.nproc}: pass 2 or more ranks (1, the default, runs the one-process demo)")
-        if args.steps < 1 or args.warmup < 0:
-            raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: need at least 1 measured step and no negative warm-up")
-        if args.no_baseline:
-            raise ConfigError("--no-baseline: the demo on several ranks always trains without the offloader first, to compare")
-        base_spec(args, resolve_device(args.device))
-        parse_mode(f"offload:{args.mode}")
-    except (ConfigError, ValueError) as exc:
-        print(f"gds-offload demo: {exc}", file=sys.stderr)
-        return 2
-    cmd = torchrun_command(args.nproc, "gds_offload.commands.demo_ranks", _forwarded(args))
-    print(f"gds-offload demo: {shlex.join(cmd)}", flush=True)
-    return subprocess.call(cmd)
+__all__ = ["main"]
 
 
 def _train(work: Any, spec: Any, rank: int, world: int, attach_kw: dict[str, Any] | None) -> tuple[list[Any], list[float], list[Any], Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
-
-    import gds_offload
 
     model = work.model
     off = gds_offload.attach(model, **attach_kw) if attach_kw is not None else None
@@ -104,8 +67,6 @@ def _train(work: Any, spec: Any, rank: int, world: int, attach_kw: dict[str, Any
 def _summary(stats: Any, keep_s: float, off_s: float, exact: bool, world: int) -> Any:
     from rich.table import Table
 
-    from gds_offload.units import format_bytes
-
     steps = max(1, stats.steps)
     table = Table(title=f"demo summary, all {stats.ranks} ranks (world size {world})")
     table.add_column("")
@@ -121,22 +82,14 @@ def _summary(stats: Any, keep_s: float, off_s: float, exact: bool, world: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank of the demo (run by :func:`launch` under torchrun)."""
+    """One rank of the demo (started by ``gds-offload demo --nproc N`` under torchrun)."""
     import torch
     import torch.distributed as dist
     from rich.console import Console
 
-    from gds_offload.activations.spill.ranks import rank_env
-    from gds_offload.bench.train.spec import attach_kwargs, parse_mode
-    from gds_offload.bench.train.workload import build_workload
-    from gds_offload.commands.demo import add_arguments
-    from gds_offload.commands.run_args import base_spec, resolve_device
-
-    parser = argparse.ArgumentParser(prog="gds-offload demo --nproc N")
-    add_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    spec = child_spec(argv, "gds_offload.bench.train.demo_ranks", __doc__.splitlines()[0])
     launched = rank_env()
-    device = resolve_device(args.device)
+    device = spec.device
     if device.startswith("cuda"):
         torch.cuda.set_device(launched.local_rank or 0)
         device = f"cuda:{torch.cuda.current_device()}"
@@ -144,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launched.local_world_size or 1)))
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    spec = replace(base_spec(args, device), device=device)
-    _, engine = parse_mode(f"offload:{args.mode}")
-    attach_kw = attach_kwargs(spec, engine or "auto", args.policy)
+    spec = replace(spec, device=device)
+    _, engine = parse_mode(spec.mode)
+    attach_kw = attach_kwargs(spec, engine or "auto", spec.policy)
     keep = _train(build_workload(spec), spec, rank, world, None)
     off = _train(build_workload(spec), spec, rank, world, attach_kw)
     same = all(torch.equal(a, b) for a, b in zip(keep[0], off[0])) and all(torch.equal(a, b) for a, b in zip(keep[2], off[2]))

@@ -1,0 +1,171 @@
+"""``gds-offload demo``'s display: the runs' progress as they go, and the comparison at the end.
+
+On a terminal each run is a table redrawn in place (:class:`LiveView`, rich's ``Live``); off a
+terminal (a pipe, a log file, CI) every setup and step is one plain line, printed as it happens
+(:class:`LineView`), so a log shows progress at once and a stop signal's line starts on a line
+of its own. :func:`render_summary` is the keep-vs-offload table, :func:`io_hidden_fraction` the
+share of the drive's busy time the training thread did not wait for.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from gds_offload.bench.train.spec import paired_ratios
+from gds_offload.units import format_bytes
+
+__all__ = ["LineView", "LiveView", "io_hidden_fraction", "make_view", "render_summary"]
+
+#: Steps a live table shows.
+_HISTORY = 12
+
+
+def _gb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else format_bytes(nbytes)
+
+
+def _engine_line(setup: dict[str, Any]) -> str:
+    """What a run's ``setup`` event says of its engine."""
+    if setup.get("engine"):
+        return f"engine {setup['engine']} ({'GDS in use' if setup.get('gds') else 'no GDS'}): {setup.get('engine_reason', '')}"
+    return "no offloader" if setup else "starting..."
+
+
+class LiveView:
+    """The display on a terminal: which run, its engine, and its last steps, redrawn in place.
+
+    Use: ``with view.run(label):`` around each run, passing :meth:`on_event` as the run's
+    ``on_event``; each run's last frame stays on screen."""
+
+    def __init__(self, console: Console, title: str) -> None:
+        self.console, self.title = console, title
+        self.label = ""
+        self.setup: dict[str, Any] = {}
+        self.rows: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        self.live: Live | None = None
+
+    @contextlib.contextmanager
+    def run(self, label: str) -> Iterator[None]:
+        self.label, self.setup = label, {}
+        self.rows.clear()
+        with Live(self.render(), console=self.console, refresh_per_second=4) as live:
+            self.live = live
+            try:
+                yield
+            finally:
+                self.live = None
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "setup":
+            self.setup = ev
+        elif ev.get("event") == "step":
+            self.rows.append(ev)
+        if self.live is not None:
+            self.live.update(self.render())
+
+    def render(self) -> Table:
+        table = Table(title=f"{self.title}\n[bold]{self.label}[/]: {_engine_line(self.setup)}", title_justify="left")
+        for col in ("step", "phase", "loss", "step time", "RSS", "resident", "peak resident", "write GB/s", "read GB/s"):
+            table.add_column(col, justify="right")
+        for ev in self.rows:
+            o = ev.get("offload") or {}
+            table.add_row(
+                str(ev["step"] + 1),
+                ev["phase"],
+                f"{ev['loss']:.6f}",
+                f"{ev['step_s']:.2f} s",
+                _gb(ev.get("rss_bytes")),
+                _gb(o.get("resident_bytes")) if o else "-",
+                _gb(o.get("peak_resident_bytes")) if o else "-",
+                f"{o['write_gbps']:.2f}" if o else "-",
+                f"{o['read_gbps']:.2f}" if o else "-",
+            )
+        return table
+
+
+def io_hidden_fraction(offload: dict[str, Any]) -> float | None:
+    """``1 - io_wait_seconds / (write_seconds + read_seconds)``, clamped to [0, 1]; None without I/O."""
+    busy = offload.get("write_seconds", 0.0) + offload.get("read_seconds", 0.0)
+    if busy <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - offload.get("io_wait_seconds", 0.0) / busy))
+
+
+def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
+    """The keep-vs-offload comparison table."""
+    table = Table(title="demo summary", show_header=True)
+    table.add_column("")
+    table.add_column("keep (no offload)", justify="right")
+    table.add_column(f"{off.mode}" if off else "offload", justify="right")
+    table.add_column("offload / keep", justify="right")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    k_ok = keep is not None and keep.status == "ok"
+    o_ok = off is not None and off.status == "ok"
+    k_step = keep.median_step_s if k_ok else None
+    o_step = off.median_step_s if o_ok else None
+    table.add_row("median step time", f"{k_step:.3f} s" if k_step else "-", f"{o_step:.3f} s" if o_step else "-", ratio(o_step, k_step))
+    pairs = paired_ratios(off) if o_ok else []
+    if pairs:
+        table.add_row(f"step time, offloaded / paused, same process ({len(pairs)} pair{'' if len(pairs) == 1 else 's'})", "", "", f"{statistics.median(pairs):.2f}x")
+    waits = [statistics.median(r.input_wait_seconds) if ok and r.input_wait_seconds else None for r, ok in ((keep, k_ok), (off, o_ok))]
+    table.add_row("input wait per step (median)", *(f"{w:.4f} s" if w is not None else "-" for w in waits), "")
+    k_mem = keep.peak_activation_bytes if k_ok else None
+    o_mem = off.peak_activation_bytes if o_ok else None
+    table.add_row("peak activation memory (measured)", _gb(k_mem), _gb(o_mem), ratio(o_mem, k_mem))
+    stats = (off.offload or {}) if o_ok else {}
+    steps = max(1, stats.get("steps", 0))
+    if stats:
+        table.add_row("offloader peak resident", "", _gb(stats["peak_resident_bytes"]), "")
+        for name in ("bytes_packed", "bytes_offloaded", "bytes_deduplicated", "bytes_forwarded", "bytes_read", "bytes_kept"):
+            table.add_row(f"{name.removeprefix('bytes_')} per step", "", _gb(stats[name] / steps), "")
+        hidden = io_hidden_fraction(stats)
+        table.add_row("I/O wait per step", "", f"{stats['io_wait_seconds'] / steps:.3f} s", "")
+        table.add_row("I/O hidden behind compute", "", "-" if hidden is None else f"{hidden:.0%}", "")
+        table.add_row("engine", "", f"{stats['engine']} ({'GDS' if stats['gds'] else 'no GDS'})", "")
+    table.add_row("loss curves agree (bit-identical)", "", "-" if agree is None else "[green]yes[/]" if agree else "[red]NO[/]", "")
+    return table
+
+
+class LineView:
+    """The display off a terminal (a pipe, a log file, CI): one plain line per run, setup and
+    step, printed as it happens (as pip and pytest do there), never a redrawn table."""
+
+    def __init__(self, console: Console, title: str) -> None:
+        self.console, self.title = console, title
+        self.label = ""
+        self.console.print(title, markup=False, highlight=False)
+
+    @contextlib.contextmanager
+    def run(self, label: str) -> Iterator[None]:
+        self.label = label
+        self.console.print(f"{label}: starting", markup=False, highlight=False)
+        yield
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "setup":
+            line = f"{self.label}: {_engine_line(ev)}"
+        elif ev.get("event") == "step":
+            o = ev.get("offload") or {}
+            line = (f"{self.label}: step {ev['step'] + 1} ({ev['phase']}) loss {ev['loss']:.6f}, {ev['step_s']:.2f} s, "
+                    f"RSS {_gb(ev.get('rss_bytes'))}")
+            if o:
+                line += (f", resident {_gb(o.get('resident_bytes'))} (peak {_gb(o.get('peak_resident_bytes'))}), "
+                         f"write {o['write_gbps']:.2f} GB/s, read {o['read_gbps']:.2f} GB/s")
+        else:
+            return
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def make_view(console: Console, title: str) -> LiveView | LineView:
+    """:class:`LiveView` on a terminal, else :class:`LineView`."""
+    return LiveView(console, title) if console.is_terminal else LineView(console, title)
