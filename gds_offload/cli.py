@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from gds_offload._version import __version__
+from gds_offload.bench.procs import Terminated, stop_signals
 
 __all__ = ["main"]
 
@@ -55,7 +56,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from gds_offload.bench.procs import Terminated, stop_signals
 
     try:
         with stop_signals():

@@ -60,6 +60,7 @@ from torch.utils.hooks import RemovableHandle
 from gds_offload.activations.config import OffloadConfig
 from gds_offload.activations.lifetime import InterruptGuard, release, release_finalizer
 from gds_offload.activations.planning.policy import Plan
+from gds_offload.activations.rank_stats import reduce_stats
 from gds_offload.activations.scheduler.core import Scheduler
 from gds_offload.activations.scheduler.state import SchedulerConfig
 from gds_offload.activations.spill.store import SpillStore
@@ -289,7 +290,6 @@ class Offloader:
         :class:`ConfigError` when no process group is initialised.
         """
         if all_ranks:
-            from gds_offload.activations.rank_stats import reduce_stats
 
             return reduce_stats(self.stats(reset=reset))
         live, layers = self.scheduler.snapshot()

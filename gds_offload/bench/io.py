@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gds_offload.activations.spill.store import SpillStore
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.raw_io import page_cache_bytes, raw_direct_bandwidth
-from gds_offload.errors import ConfigError
+from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.io.factory import make_engine, validate_mode
 
 __all__ = [
     "buffer_label",
@@ -57,8 +59,6 @@ def _drop_cache(files: list[Any]) -> None:
 # one engine
 # ---------------------------------------------------------------------------------------
 def _make(mode: str, num_threads: int | None, chunk_bytes: int | None) -> Any:
-    from gds_offload.io.factory import make_engine
-
     return make_engine(mode, num_threads=num_threads, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
 
 
@@ -153,9 +153,6 @@ def measure_engine(
         OffloadError: a transfer failed or the bytes read back differ.
     """
     import torch
-
-    from gds_offload.activations.spill.store import SpillStore
-    from gds_offload.errors import OffloadError
 
     if tensor_bytes <= 0 or repeats < 1:
         raise ConfigError(f"need tensor_bytes > 0 and repeats >= 1, got tensor_bytes={tensor_bytes}, repeats={repeats}")
@@ -269,7 +266,6 @@ def run_bench(
     figure (the mean of the raw runs before and after, both kept in ``raw["samples"]``). ``progress(str)`` is called before each measurement (for a CLI status line).
     Engines that cannot run here (no KvikIO) land in ``skipped`` with the reason.
     """
-    from gds_offload.io.factory import validate_mode
 
     for e in engines:
         if validate_mode(e) == "auto":

@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gds_offload import __version__
+from gds_offload.io.directory import default_spill_dir
+from gds_offload.node.probes import probe_path
+
 __all__ = ["Machine", "describe_machine", "describe"]
 
 
@@ -80,10 +84,6 @@ def _version(module: str) -> str | None:
 def _drive(path: Path, root: Path) -> dict[str, Any]:
     """Filesystem, device and O_DIRECT support of ``path``, from the ``gds-check`` probes."""
     try:
-        from gds_offload.node.probes import probe_path
-    except ImportError as exc:
-        return {"filesystem": f"unknown (gds-check probes unavailable: {exc})"}
-    try:
         p = probe_path(path, root=root)
     except Exception as exc:  # noqa: BLE001 - a probe never fails the benchmark
         return {"filesystem": f"unknown ({type(exc).__name__}: {exc})"}
@@ -112,7 +112,6 @@ def describe_machine(path: str | os.PathLike[str] | None = None, *, root: Path =
 
     Never raises; unknown facts are ``None``.
     """
-    from gds_offload import __version__
 
     gpus: tuple[str, ...] = ()
     cuda = torch_version = None
@@ -126,7 +125,6 @@ def describe_machine(path: str | os.PathLike[str] | None = None, *, root: Path =
     except Exception:  # noqa: BLE001
         pass
     if path is None:
-        from gds_offload.io.directory import default_spill_dir
 
         path = default_spill_dir()
     drive = _drive(Path(path), root)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gds_offload.activations.spill.store import open_unnamed
 from gds_offload.errors import ConfigError
 
 __all__ = ["FIO_BLOCK_BYTES", "FIO_IODEPTH", "DD_BLOCK_BYTES", "page_cache_bytes", "raw_direct_bandwidth"]
@@ -85,7 +86,6 @@ def raw_direct_bandwidth(path: Path, total_bytes: int) -> dict[str, Any]:
         raise ConfigError("raw bandwidth needs fio or dd on PATH; install fio (apt-get install fio)")
     # An unnamed file (O_TMPFILE, or a named one unlinked at once): the tool reaches it through
     # /proc/self/fd/N (the descriptor is passed to it), so even a kill -9 leaves nothing behind.
-    from gds_offload.activations.spill.store import open_unnamed
 
     fd, _direct, _note = open_unnamed(Path(path), direct=False)
     file = f"/proc/self/fd/{fd}"

@@ -12,12 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
+from gds_offload._version import __version__
+from gds_offload.bench.procs import Terminated, stop_signals
+from gds_offload.check.rank_map import show_ranks
 from gds_offload.check.report import EXIT_CODES, BenchProgress, build_document, format_gbps, render
+from gds_offload.cli import stopped
 from gds_offload.io.directory import Origin, spill_dir_origin
 from gds_offload.io.layout import ALIGN
 from gds_offload.node.collect import NodeReport, collect_node
 from gds_offload.node.findings import CheckResult
 from gds_offload.node.verdict import Verdict, decide, report_checks, worst_verdict
+from gds_offload.units import parse_bytes
 
 __all__ = ["main", "build_parser", "bench_engines", "measure_bandwidth", "DEFAULT_SIZE_BYTES"]
 
@@ -37,8 +42,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from gds_offload.units import parse_bytes
-
     try:
         value = parse_bytes(text, name="--size")
     except ValueError as exc:
@@ -211,9 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import signal
 
-    from gds_offload.bench.procs import Terminated, stop_signals
-    from gds_offload.cli import stopped
-
     try:
         with stop_signals():
             return _run(args)
@@ -226,10 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gds_offload._version import __version__
-
     if args.ranks is not None:  # gds_offload/check/rank_map.py
-        from gds_offload.check.rank_map import show_ranks
 
         return show_ranks(args.path, args.ranks, json_out=args.json, root=args.root)
     env = os.environ

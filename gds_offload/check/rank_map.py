@@ -13,6 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gds_offload.activations.spill.ranks import node_placements
+from gds_offload.errors import ConfigError
+from gds_offload.node.system import probe_gpus
+
 __all__ = ["local_world_size", "rank_rows", "show_ranks"]
 
 
@@ -24,7 +28,6 @@ def local_world_size(requested: int | None, env: Mapping[str, str], root: Path) 
         text = env.get(name, "").split("(")[0]
         if text.isdigit() and int(text) > 0:
             return int(text)
-    from gds_offload.node.system import probe_gpus
 
     return max(1, len(probe_gpus(root).gpus))
 
@@ -43,7 +46,6 @@ def rank_rows(paths: Sequence[str], nproc: int | None, *, env: Mapping[str, str]
     Raises:
         ConfigError: a path the ranks cannot resolve (the message says why).
     """
-    from gds_offload.activations.spill.ranks import node_placements
 
     env = os.environ if env is None else env
     n = local_world_size(nproc, env, root)
@@ -57,8 +59,6 @@ def show_ranks(paths: Sequence[str], nproc: int | None, *, json_out: bool, root:
     """Print the mapping; 0, or 3 (usage error) when the paths cannot be resolved."""
     from rich.console import Console
     from rich.table import Table
-
-    from gds_offload.errors import ConfigError
 
     try:
         rows = rank_rows(paths, nproc, root=root)

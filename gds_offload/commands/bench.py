@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from gds_offload.commands.run_args import add_model_arguments, base_spec, positive_int, resolve_device
+from gds_offload.errors import ConfigError
 
 HELP = "benchmark keep / offload / recompute / ... on one model: step time, activation memory, exactness"
 
@@ -69,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
         summarize,
         unexplained_differences,
     )
-    from gds_offload.errors import ConfigError
 
     if args.nproc > 1:
         return _run_ranks(args)
@@ -137,7 +137,6 @@ def _run_ranks(args: argparse.Namespace) -> int:
 
     from gds_offload.bench.train.ranks_suite import check_ranked, one_process_path, per_process_threads, render, run_all, summarize_settings
     from gds_offload.bench.train.suite import check_in_process, results_doc, select_modes, unexplained_differences
-    from gds_offload.errors import ConfigError
 
     nproc = args.nproc
     try:

@@ -15,6 +15,7 @@ import sys
 import time
 
 from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, workdir_arg
+from gds_offload.errors import ConfigError
 
 HELP = "benchmark LoRA fine-tuning with weights resident, streamed from drive/host, and Accelerate disk offload"
 #: The modes whose failure fails the command (the others are peers).
@@ -41,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY
     from gds_offload.bench.weights.doc import emit
     from gds_offload.bench.weights.finetune import MODES, FinetuneSpec, finetune_document, run_finetune_bench
-    from gds_offload.errors import ConfigError
 
     try:  # every flag, before the checkpoint is made and the first child starts
         modes = modes_arg(args.modes, MODES)

@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gds_offload.activations.spill.store import GROW_BYTES, free_bytes
+from gds_offload.commands.run_args import positive_int
+from gds_offload.errors import ConfigError
+from gds_offload.io.directory import prepare_dir, spill_dir_origin
+from gds_offload.units import format_bytes, parse_bytes
+
 HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DIRECT bandwidth"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.run_args import positive_int
-
     p.add_argument("--path", default=None, help="spill directory on the drive (default: $GDS_OFFLOAD_DIR or <tmp>/gds_offload-<uid>)")
     p.add_argument("--size", default="2GiB", help="bytes written then read per measurement (default: 2GiB)")
     p.add_argument("--tensor-sizes", default="1MiB,64MiB", help="comma-separated tensor sizes (default: 1MiB,64MiB)")
@@ -33,8 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _list(text: str, parse: Any, name: str) -> list[Any]:
-    from gds_offload.errors import ConfigError
-
     values = [parse(part.strip(), name=name) for part in text.split(",") if part.strip()]
     if any(v <= 0 for v in values):
         raise ConfigError(f"{name} {text!r}: every value must be positive (0 is not 'the default': leave the flag out)")
@@ -42,8 +44,6 @@ def _list(text: str, parse: Any, name: str) -> list[Any]:
 
 
 def _int(text: str, *, name: str) -> int:
-    from gds_offload.errors import ConfigError
-
     try:
         value = int(text)
     except ValueError:
@@ -60,9 +60,6 @@ def check_room(path: Path, total: int, sizes: list[int], engines: list[str], *, 
     Raises:
         ConfigError: too little free space, with both figures.
     """
-    from gds_offload.activations.spill.store import GROW_BYTES, free_bytes
-    from gds_offload.errors import ConfigError
-    from gds_offload.units import format_bytes
 
     needs = [max(total, 1 << 20)] if raw else []
     if any(e != "host" for e in engines):
@@ -81,8 +78,6 @@ def render(report: Any) -> None:
     """Print ``report`` (an :class:`~gds_offload.bench.io.IOBenchReport`) as rich tables."""
     from rich.console import Console
     from rich.table import Table
-
-    from gds_offload.units import format_bytes
 
     console = Console()
     m = report.machine
@@ -128,10 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gds_offload.bench.io import run_bench
-    from gds_offload.errors import ConfigError
-    from gds_offload.io.directory import prepare_dir, spill_dir_origin
     from gds_offload.io.factory import validate_mode
-    from gds_offload.units import parse_bytes
 
     err = Console(stderr=True)
     try:

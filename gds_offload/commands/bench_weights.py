@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, resolve_device, workdir_arg
+from gds_offload.errors import ConfigError
 
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
 
@@ -56,8 +57,6 @@ DTYPES = ("float32", "bfloat16")
 
 
 def _depths(text: str) -> tuple[int, ...]:
-    from gds_offload.errors import ConfigError
-
     try:
         depths = tuple(int(d) for d in text.split(",") if d.strip())
     except ValueError:
@@ -70,7 +69,6 @@ def _depths(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.bench import DEFAULT_MODEL, MODES, TINY, BenchSpec, run_bench
     from gds_offload.bench.weights.doc import bench_document, emit
-    from gds_offload.errors import ConfigError
     from gds_offload.io.factory import validate_mode
 
     try:  # every flag, before the checkpoint is made and the first child starts

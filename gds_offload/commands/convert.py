@@ -19,6 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.units import format_bytes
+
 HELP = "convert a safetensors checkpoint into an aligned weight store (--check: verify every layer's checksum)"
 
 
@@ -56,8 +59,6 @@ class _Bar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.errors import ConfigError, OffloadError
-    from gds_offload.units import format_bytes
     from gds_offload.weights import StoreCorruptError, StoreSpaceError, convert, verify_store
 
     result: dict[str, object] = {}

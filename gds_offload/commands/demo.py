@@ -33,7 +33,9 @@ import subprocess
 import sys
 from dataclasses import replace
 
+from gds_offload.bench.train.torchrun import torchrun_command
 from gds_offload.commands.run_args import add_model_arguments, base_spec, resolve_device
+from gds_offload.errors import ConfigError
 
 HELP = "train a GPT without and with the offloader, live; compare step time, memory and losses"
 
@@ -53,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.train.demo_view import make_view, render_summary
     from gds_offload.bench.train.runner import run_mode
     from gds_offload.bench.train.spec import compare_losses, parse_mode
-    from gds_offload.errors import ConfigError
 
     if args.nproc != 1:  # several ranks: gds_offload/bench/train/demo_ranks.py
         return _launch_ranks(args)
@@ -107,8 +108,6 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     """Check the options, then start ``args.nproc`` ranks of the demo under torchrun
     (:mod:`gds_offload.bench.train.demo_ranks`, given the run's spec); their exit code (2: bad options)."""
     from gds_offload.bench.train.spec import parse_mode
-    from gds_offload.bench.train.torchrun import torchrun_command
-    from gds_offload.errors import ConfigError
 
     try:
         if args.nproc < 2:

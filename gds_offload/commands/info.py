@@ -7,6 +7,11 @@ import platform
 import sys
 from pathlib import Path
 
+from gds_offload import __version__
+from gds_offload.activations.spill.store import SpillStore
+from gds_offload.errors import ConfigError
+from gds_offload.io.directory import Origin, spill_dir_origin
+
 HELP = "show which storage engine mode='auto' picks here, and why"
 
 
@@ -19,9 +24,6 @@ def collect(path: Path | None) -> dict[str, object]:
     """The facts ``info`` shows, as a plain dict."""
     import torch
 
-    from gds_offload import __version__
-    from gds_offload.activations.spill.store import SpillStore
-    from gds_offload.io.directory import Origin, spill_dir_origin
     from gds_offload.io.factory import make_engine
     from gds_offload.io.kvikio_engine import kvikio_status
     from gds_offload.node.choice import choose_engine
@@ -56,8 +58,6 @@ def collect(path: Path | None) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.errors import ConfigError
-
     try:
         facts = collect(args.path)
     except ConfigError as exc:

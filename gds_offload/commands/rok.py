@@ -7,6 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+from gds_offload.commands.run_args import positive_int, resolve_device
+from gds_offload.errors import ConfigError
+from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
+
 HELP = "recompute-offload-keep sweep: the fastest micro-batch and placement within a memory limit"
 
 
@@ -21,8 +25,6 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gds_offload.commands.run_args import positive_int
-
     p.add_argument("--model", default="gpt", help="gpt (built-in), llama, gpt2, or pkg.module:factory")
     p.add_argument("--layers", type=positive_int, default=6)
     p.add_argument("--hidden", type=positive_int, default=256)
@@ -48,11 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from gds_offload.bench.train import rok
+    from gds_offload.bench.train.checks import check_runs
     from gds_offload.bench.train.spec import RunSpec
-    from gds_offload.commands.run_args import check_runs, resolve_device
-    from gds_offload.errors import ConfigError
     from gds_offload.models.gpt import GPTConfig
-    from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
     console = Console()
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]

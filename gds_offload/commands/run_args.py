@@ -17,6 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.cgroup import check_limit
+from gds_offload.errors import ConfigError
+from gds_offload.io.directory import prepare_dir
+from gds_offload.units import parse_bandwidth, parse_bytes
+
 __all__ = [
     "positive_int",
     "non_negative_int",
@@ -89,8 +94,6 @@ def resolve_device(device: str) -> str:
 
     import torch
 
-    from gds_offload.errors import ConfigError
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     m = re.fullmatch(r"cuda(?::(\d+))?", device)
@@ -114,7 +117,6 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
     from gds_offload.bench.data.train import data_defaults
     from gds_offload.bench.train.spec import RunSpec
     from gds_offload.models.gpt import GPTConfig, demo_preset
-    from gds_offload.units import parse_bandwidth, parse_bytes
 
     preset, preset_batch = demo_preset(device)
 
@@ -179,7 +181,6 @@ def modes_arg(text: str, allowed: tuple[str, ...]) -> list[str]:
     Raises:
         ConfigError: an unknown name, or none.
     """
-    from gds_offload.errors import ConfigError
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in allowed]
@@ -201,8 +202,6 @@ def workdir_arg(given: str | None, *, tiny: bool) -> Path:
     Raises:
         ConfigError: an empty ``--workdir``, or a directory ``attach()`` would refuse.
     """
-    from gds_offload.errors import ConfigError
-    from gds_offload.io.directory import prepare_dir
 
     if given is None:
         return prepare_dir(default_workdir(tiny), create=True, origin="default --workdir")
@@ -218,8 +217,6 @@ def memory_limit_arg(text: str | None) -> int | None:
     Raises:
         ConfigError: not a size, 0, under 64 MiB, or no memory group can be made here.
     """
-    from gds_offload.bench.cgroup import check_limit
-    from gds_offload.units import parse_bytes
 
     if text is None:
         return None

@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+from gds_offload.errors import ConfigError
+from gds_offload.units import format_bytes, parse_bytes
+
 HELP = "write aligned .npy token shards from text files or synthetic tokens; --check a path; --bench the loader"
 
 
@@ -54,7 +57,6 @@ def _text_files(paths: list[str]) -> list[Path]:
 
 def _write(args: argparse.Namespace) -> int:
     from gds_offload.data.writer import BYTE_VOCAB, synthetic_tokens, text_documents, write_shards
-    from gds_offload.units import format_bytes, parse_bytes
 
     if args.out is None:
         raise _usage("name the output directory: gds-offload shards DIR --text FILE... (or --synthetic N)")
@@ -116,14 +118,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _usage(message: str) -> Exception:
-    from gds_offload.errors import ConfigError
-
     return ConfigError(message)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.errors import ConfigError
-
     try:
         if args.check:
             return _check(args)

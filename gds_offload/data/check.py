@@ -15,6 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gds_offload.node.findings import GDS_DISTRIBUTED_FSTYPES, GDS_LOCAL_FSTYPES
+from gds_offload.node.paths import probe_path
+from gds_offload.node.system import probe_gpus, probe_libcufile, probe_nvidia_fs
+
 __all__ = ["InputPathStatus", "input_path_status", "dali_version"]
 
 #: ``gds``: GPU reader, direct path. ``gpu-compat``: GPU reader, cuFile through a host
@@ -68,9 +72,6 @@ def input_path_status(path: str | Path, *, root: Path = Path("/")) -> InputPathS
         path: the shard directory (it must exist; nothing is created).
         root: root of the ``/proc``, ``/sys`` and ``/dev`` trees (fake trees in tests).
     """
-    from gds_offload.node.findings import GDS_DISTRIBUTED_FSTYPES, GDS_LOCAL_FSTYPES
-    from gds_offload.node.paths import probe_path
-    from gds_offload.node.system import probe_gpus, probe_libcufile, probe_nvidia_fs
 
     where = str(path)
     facts: dict[str, str] = {}

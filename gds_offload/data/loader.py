@@ -37,6 +37,7 @@ import torch
 from gds_offload.data.format import ShardError, ShardSet, scan_shards
 from gds_offload.data.order import EpochPlan, plan_epoch, pool_permutation
 from gds_offload.errors import ConfigError
+from gds_offload.node.system import probe_libcufile
 
 __all__ = ["TokenLoader", "STATE_FORMAT", "DEFAULT_POOL_FILES"]
 
@@ -436,7 +437,6 @@ def _resolve_reader(reader: str, device: torch.device) -> Literal["gpu", "cpu"]:
     if reader == "auto":
         if device.type != "cuda":
             return "cpu"
-        from gds_offload.node.system import probe_libcufile
 
         if not probe_libcufile().found:
             warnings.warn("TokenLoader: libcufile not found, so DALI's GPU reader cannot run; reading on the CPU "

@@ -14,8 +14,8 @@ Contracts:
   (``create``, 0700, in order), and :func:`~gds_offload.activations.spill.ranks.rank_path` creates them.
 * The node probe never raises: no GPU, or no usable drive, is an answer (the default
   directory, per rank under a distributed launch; with GPUs but no drive, a warning).
-* Nothing here imports torch at module import (``gds-check --ranks`` places ranks too);
-  the checker's probes are imported on first use.
+* Nothing here imports torch at module import (``gds-check --ranks`` places ranks too): the
+  node probes (:mod:`gds_offload.node`) import it only to list GPUs.
 """
 from __future__ import annotations
 
@@ -24,20 +24,37 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gds_offload.io.directory import default_spill_dir
+from gds_offload.node.paths import PathProbe, find_mount, probe_block_device, read_mounts
+from gds_offload.node.system import probe_gpus
+from gds_offload.node.topology import gpu_topology, pcie_affinity
 
-if TYPE_CHECKING:
-    from gds_offload.activations.spill.ranks import RankEnv
-
-__all__ = ["Placement", "AutoNode", "DriveCandidate", "auto_placement", "model_gpu", "nvme_candidates", "probe_node"]
+__all__ = ["Placement", "AutoNode", "RankOf", "DriveCandidate", "auto_placement", "model_gpu", "nvme_candidates", "probe_node"]
 
 #: Mount points ``"auto"`` never creates a directory in (system trees), unless the default
 #: spill directory already lives there.
 _SYSTEM_MOUNTS = ("/", "/boot", "/efi", "/usr", "/var", "/etc", "/home", "/opt", "/srv", "/snap", "/proc", "/sys", "/dev", "/run")
 #: Local filesystems GDS drives directly (the same set as ``gds-check``'s filesystem check).
 _GDS_FSTYPES = frozenset({"ext4", "xfs"})
+
+
+class RankOf(Protocol):
+    """What :func:`auto_placement` needs to know of the process it places (a
+    :class:`~gds_offload.activations.spill.ranks.RankEnv`)."""
+
+    @property
+    def rank(self) -> int | None: ...
+
+    @property
+    def local_rank(self) -> int | None: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def subdir(self) -> str: ...
 
 
 # --------------------------------------------------------------------------------------
@@ -90,8 +107,6 @@ class AutoNode:
 
 def probe_node(root: Path = Path("/")) -> AutoNode:
     """Probe GPUs (through torch) and mounted NVMe filesystems; never raises."""
-    from gds_offload.node.system import probe_gpus
-    from gds_offload.node.topology import gpu_topology
 
     base = default_spill_dir()
     try:
@@ -118,7 +133,6 @@ def nvme_candidates(
         The candidates (in ``/proc/mounts`` order, the default directory's drive first)
         and why others were skipped.
     """
-    from gds_offload.node.paths import PathProbe, find_mount, probe_block_device, read_mounts
 
     if device_of is None:
         device_of = lambda mountpoint: probe_block_device(os.stat(mountpoint).st_dev, root)  # noqa: E731
@@ -157,7 +171,7 @@ def nvme_candidates(
     return tuple(found), tuple(notes)
 
 
-def auto_placement(env: RankEnv, node: AutoNode, *, gpu: int | None = None) -> Placement:
+def auto_placement(env: RankOf, node: AutoNode, *, gpu: int | None = None) -> Placement:
     """``path="auto"``: the NVMe drive closest to this rank's GPU.
 
     What it picks, and why:
@@ -193,7 +207,6 @@ def auto_placement(env: RankEnv, node: AutoNode, *, gpu: int | None = None) -> P
         why = "no writable NVMe ext4/xfs filesystem" + (f" ({'; '.join(node.notes)})" if node.notes else "")
         warnings.warn(f"gds_offload: path='auto' found {why}; spilling to {node.default_dir}", RuntimeWarning, stacklevel=3)
         return fallback(why)
-    from gds_offload.node.topology import pcie_affinity
 
     local = env.local_rank or 0
     indices = [g.index for g in node.gpus]

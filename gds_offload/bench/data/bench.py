@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gds_offload.bench.docs.report import current_commit
+from gds_offload.bench.machine import describe_machine
+from gds_offload.bench.train.runner import run_mode
+from gds_offload.bench.train.spec import RunSpec
 from gds_offload.data.format import ShardSet, scan_shards
+from gds_offload.data.loader import TokenLoader
+from gds_offload.models.gpt import demo_preset
 
 __all__ = ["Measurement", "MemmapWindows", "memmap_loader", "time_batches", "run_loader_bench"]
 
@@ -104,10 +110,6 @@ def time_batches(batches: Iterable[dict[str, torch.Tensor]], *, device: torch.de
 
 
 def _demo_step(shards: ShardSet, device: str, steps: int, timeout_s: float) -> tuple[Any, Any]:
-    from gds_offload.bench.train.runner import run_mode
-    from gds_offload.bench.train.spec import RunSpec
-    from gds_offload.models.gpt import demo_preset
-
     cfg, batch = demo_preset(device)
     vocab = max(cfg.vocab, shards.vocab or 0)
     spec = RunSpec(mode="keep", model="gpt", layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq=shards.seq,
@@ -126,9 +128,6 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
         ShardError: a bad shard directory.
         ConfigError: DALI missing, or a bad argument.
     """
-    from gds_offload.bench.docs.report import current_commit
-    from gds_offload.bench.machine import describe_machine
-    from gds_offload.data.loader import TokenLoader
 
     say = progress or (lambda _msg: None)
     started = time.time()

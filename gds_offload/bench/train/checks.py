@@ -27,8 +27,6 @@ def check_model_name(model: str) -> None:
         ConfigError: an unknown name, a module that cannot be found, or transformers missing for llama/gpt2.
     """
 
-    from gds_offload.errors import ConfigError
-
     if model == "gpt":
         return
     if model in ("llama", "gpt2"):
@@ -118,7 +116,6 @@ def check_runs(base: Any, modes: list[str]) -> None:
     Raises:
         ConfigError: the first problem, naming the flag.
     """
-    from gds_offload.bench.train.spec import parse_mode
 
     check_model_name(base.model)
     for mode in modes:

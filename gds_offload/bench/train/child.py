@@ -32,7 +32,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import gds_offload
+from gds_offload.activations.layers import find_layers
 from gds_offload.bench.procs import emit, read_spec
+from gds_offload.bench.train.determinism import deterministic_kernels
 from gds_offload.bench.train.memory import Peak, adamw_with_state, proc_status_bytes
 from gds_offload.bench.train.spec import RunResult, RunSpec, Unavailable, attach_kwargs, parse_mode
 from gds_offload.bench.train.workload import Workload, build_workload
@@ -144,8 +147,6 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
 
     import torch
 
-    from gds_offload.bench.train.determinism import deterministic_kernels
-
     kind, engine = parse_mode(spec.mode)
     if kind not in ("offload", "adaptive"):
         raise ValueError(f"exact_in_process checks an offload mode, not {spec.mode!r}")
@@ -159,7 +160,6 @@ def exact_in_process(spec: RunSpec, steps: int = 2) -> bool:
 def _losses_and_grads(spec: RunSpec, steps: int, attach_kw: dict[str, Any] | None) -> list[Any]:
     """Every loss and gradient of ``steps`` steps of ``spec``'s model (no optimizer step), with
     :func:`gds_offload.attach` ``(**attach_kw)`` or, for ``None``, without an offloader."""
-    import gds_offload
 
     wl = build_workload(replace(spec, mode="keep"))
     model = wl.model
@@ -188,7 +188,6 @@ def _apply_mode(spec: RunSpec, kind: str, engine: str | None, model: Any, result
         Unavailable: ``attach()`` refused the arguments, or ``recompute`` found no layers.
     """
     if kind in ("offload", "adaptive"):
-        import gds_offload
 
         try:
             off = gds_offload.attach(model, **attach_kwargs(spec, engine or "auto", "adaptive" if kind == "adaptive" else spec.policy))
@@ -198,7 +197,6 @@ def _apply_mode(spec: RunSpec, kind: str, engine: str | None, model: Any, result
         result.layer_names = list(off.layer_names)
         return off
     if kind == "recompute":
-        from gds_offload.activations.layers import find_layers
 
         layers = find_layers(model)
         if not layers:

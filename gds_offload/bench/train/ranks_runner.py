@@ -25,6 +25,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from gds_offload.activations.spill.ranks import rank_env
 from gds_offload.bench.procs import emit
 from gds_offload.bench.train.child import child_spec, run_here
 from gds_offload.bench.train.runner import run_mode
@@ -116,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     """One rank (started by :func:`run_ranked` under torchrun): run the ``--spec`` under DDP."""
     import torch
     import torch.distributed as dist
-
-    from gds_offload.activations.spill.ranks import rank_env
 
     spec = child_spec(argv, "gds_offload.bench.train.ranks_runner", __doc__.splitlines()[0])
     cuda = spec.device.startswith("cuda")

@@ -30,7 +30,13 @@ import os
 from dataclasses import asdict, replace
 from typing import Any
 
-from gds_offload.bench.train.ranks_runner import RankedResult
+from gds_offload.activations.spill.ranks import AUTO, node_placements
+from gds_offload.bench.docs.report import ranks_spread, ranks_table
+from gds_offload.bench.train.checks import check_fits, check_runs
+from gds_offload.bench.train.ranks_runner import RankedResult, run_ranked
+from gds_offload.bench.train.runner import run_mode
+from gds_offload.bench.train.suite import round_order, summarize
+from gds_offload.errors import ConfigError
 
 __all__ = ["check_ranked", "per_process_threads", "one_process_path", "ranks_agree", "render", "run_all", "summarize_settings"]
 
@@ -47,7 +53,6 @@ def per_process_threads(nproc: int) -> int:
 def one_process_path(path: str | None, nproc: int) -> str | None:
     """Where the one-process runs spill: rank 0's directory of ``path`` (a template filled in;
     the default and ``auto`` as they are, which put the ranks under or beside it)."""
-    from gds_offload.activations.spill.ranks import AUTO, node_placements
 
     if path is None or path == AUTO:
         return path
@@ -63,10 +68,6 @@ def check_ranked(base: Any, modes: list[str], nproc: int) -> None:
         ConfigError: the first problem.
     """
     import torch
-
-    from gds_offload.activations.spill.ranks import AUTO, node_placements
-    from gds_offload.bench.train.checks import check_fits, check_runs
-    from gds_offload.errors import ConfigError
 
     if base.device.startswith("cuda"):
         if base.device != "cuda":
@@ -101,7 +102,6 @@ def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any
     """Both settings summarised (:func:`~gds_offload.bench.train.suite.summarize`, plus every
     rank's losses on N ranks), and per mode its ``scaling``: the N-rank ``x keep`` over the
     one-process one (the medians' ratio, and round by round where both settings ran)."""
-    from gds_offload.bench.train.suite import summarize
 
     settings = {}
     for n in (1, nproc):
@@ -137,9 +137,6 @@ def summarize_settings(results: list[RankedResult], nproc: int) -> dict[str, Any
 
 def run_all(single: Any, ranked: Any, modes: list[str], nproc: int, *, timeout_s: float, rounds: int, status: Any) -> list[RankedResult]:
     """Every (mode, processes) pair, ``rounds`` times, in :func:`round_order`."""
-    from gds_offload.bench.train.ranks_runner import run_ranked
-    from gds_offload.bench.train.runner import run_mode
-    from gds_offload.bench.train.suite import round_order
 
     pairs = [(mode, n) for mode in modes for n in (1, nproc)]
     results: list[RankedResult] = []
@@ -169,8 +166,6 @@ def render(doc: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from gds_offload.bench.docs.report import ranks_spread, ranks_table
 
     console = Console()
     if not console.is_terminal:

@@ -21,6 +21,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from gds_offload.io.directory import default_spill_dir
+from gds_offload.node.choice import choose_engine
+
 __all__ = [
     "RunSpec",
     "RunResult",
@@ -175,9 +178,6 @@ def available_offload_engines(device: str, path: str | None) -> list[str]:
     """The engines that can run here: posix and host always, compat with a usable KvikIO,
     gds on a CUDA device where GPUDirect Storage works at ``path``."""
     from pathlib import Path
-
-    from gds_offload.io.directory import default_spill_dir
-    from gds_offload.node.choice import choose_engine
 
     engines = ["posix"]
     for name in ("compat", "gds"):

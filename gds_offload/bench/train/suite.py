@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from gds_offload.bench.docs.report import current_commit
 from gds_offload.bench.machine import describe_machine
-from gds_offload.bench.train.child import exact_in_process
+from gds_offload.bench.train.child import LOSSES_DIFFER_NOTE, exact_in_process, in_process_verdict
 from gds_offload.bench.train.runner import run_mode
 from gds_offload.bench.train.spec import compare_losses, expand_modes, paired_ratios, parse_mode
 from gds_offload.units import format_bytes
@@ -185,7 +185,6 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
         if r.status != "ok":
             console.print(f"[bold]{r.mode}[/]: {r.error}")
     if summary["all_losses_agree"] is False:
-        from gds_offload.bench.train.child import LOSSES_DIFFER_NOTE, in_process_verdict
 
         console.print("[red]losses differ between modes (bit-identical expected)[/]")
         console.print(f"[yellow]{LOSSES_DIFFER_NOTE}[/]")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
+from gds_offload.bench.procs import PARENT_ENV, die_with_parent
+
 __all__ = ["torchrun_command", "main"]
 
 
@@ -35,7 +37,6 @@ def torchrun_command(nproc: int, module: str, args: list[str], *, owned: bool = 
 
 def main(argv: list[str] | None = None) -> None:
     """torchrun (``torch.distributed.run``'s arguments), stopped with the process that started it."""
-    from gds_offload.bench.procs import PARENT_ENV, die_with_parent
 
     die_with_parent()
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent is this process

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gds_offload.bench.data.train import with_data
 from gds_offload.bench.train.spec import RunSpec
+from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "Workload", "build_workload", "hf_model"]
 
@@ -57,12 +59,10 @@ def build_workload(spec: RunSpec) -> Workload:
     import torch
 
     if spec.data:
-        from gds_offload.bench.data.train import with_data
 
         return with_data(build_workload(replace(spec, data=None)), spec)
     torch.manual_seed(spec.seed)
     if spec.model == "gpt":
-        from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
         cfg = GPTConfig(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.dropout)
         model = make_gpt(cfg, seed=spec.seed, device=spec.device)

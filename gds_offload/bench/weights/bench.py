@@ -48,6 +48,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gds_offload.bench import procs
+from gds_offload.bench.cgroup import check_limit, remove_stale_groups
+from gds_offload.bench.weights.drive import cached_bytes, evict, raw_read_bandwidth, read_interference
+from gds_offload.weights import convert
+from gds_offload.weights.errors import StoreFormatError
+from gds_offload.weights.manifest import config_fingerprint, read_manifest
 
 __all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "child_rows", "serve_rows", "prepare", "remove_offload_folders", "run_bench",
            "run_mode", "run_rounds", "summarize", "weight_files"]
@@ -170,10 +175,6 @@ def prepare(model: BenchModel, workdir: Path, checkpoint: Path | None = None) ->
     import torch
     import transformers
 
-    from gds_offload.weights import convert
-    from gds_offload.weights.errors import StoreFormatError
-    from gds_offload.weights.manifest import config_fingerprint, read_manifest
-
     workdir.mkdir(parents=True, exist_ok=True)
     created = False
     if checkpoint is None:
@@ -208,7 +209,6 @@ def run_rounds(modes: list[str], rounds: int, *, memory_limit: int | None, workd
     (:func:`~gds_offload.bench.cgroup.check_limit`: a bad one raises ``ConfigError`` here, not
     when the first capped child starts), and the memory groups left by benchmark parents that
     were killed are removed (:func:`~gds_offload.bench.cgroup.remove_stale_groups`), each one ``say``-ed."""
-    from gds_offload.bench.cgroup import check_limit, remove_stale_groups
 
     rows: list[_Row] = []
     if memory_limit is not None:
@@ -236,7 +236,6 @@ def remove_offload_folders(workdir: Path) -> None:
 
 def weight_files(checkpoint: Path, store: Path) -> list[Path]:
     """The files holding the weights: the checkpoint's safetensors shards and the store's data files."""
-    from gds_offload.weights.manifest import read_manifest
 
     m = read_manifest(store)
     dirs = [store] + [Path(d) for d in m.dirs[1:]]  # a striped store's other directories, as converted
@@ -271,7 +270,6 @@ def serve_rows(argv: list[str] | None, module: str, spec_type: Callable[..., Any
 def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
     """Run one mode in a child process (under a memory cap if given) after dropping the weights'
     page cache; errors become ``status="error"`` rows."""
-    from gds_offload.bench.weights.drive import cached_bytes, evict
 
     files = weight_files(Path(spec.checkpoint), Path(spec.store))
     evict(files)
@@ -314,8 +312,6 @@ def run_bench(
     (:func:`~gds_offload.bench.weights.drive.read_interference` at the best depth), ``summary``
     (per mode and batch, medians over rounds) and ``results`` (every row).
     """
-    from gds_offload.bench.weights.drive import raw_read_bandwidth, read_interference
-    from gds_offload.weights.manifest import read_manifest
 
     say = progress or (lambda text: None)
     say("preparing the checkpoint and the store")

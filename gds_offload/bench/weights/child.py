@@ -32,7 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gds_offload.bench.weights.bench import BenchSpec, ModeResult, serve_rows
+from gds_offload.bench.weights.bench import BenchSpec, ModeResult, serve_rows, weight_files
+from gds_offload.bench.weights.drive import raw_read_bandwidth
+from gds_offload.weights import load_streamed
+from gds_offload.weights.manifest import read_manifest
+from gds_offload.weights.stream import DEFAULT_THREADS
 
 __all__ = ["run_child", "load_mode", "own_memory", "peak_rss", "read_bytes"]
 
@@ -62,8 +66,6 @@ def load_mode(spec: BenchSpec) -> tuple[Any, Any]:
     """``(model, StreamedModel or None)`` for ``spec.mode``, on ``spec.device``."""
     import torch
     import transformers
-
-    from gds_offload.weights import load_streamed
 
     if spec.mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint)
@@ -169,10 +171,6 @@ def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids:
     same chunks), the drive idle otherwise (:meth:`StreamedModel.settle`). A drive whose rate
     drifts over minutes is then compared with itself seconds apart, not with a pass made before
     every mode. These runs come after the measured ones: a prefetch they left settled would favour a prefill."""
-    from gds_offload.bench.weights.bench import weight_files
-    from gds_offload.bench.weights.drive import raw_read_bandwidth
-    from gds_offload.weights.manifest import read_manifest
-    from gds_offload.weights.stream import DEFAULT_THREADS
 
     files = weight_files(Path(spec.checkpoint), Path(spec.store))
     if handle is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_rows, prepare, run_rounds, summarize, weight_files
+from gds_offload.bench.weights.drive import evict
 from gds_offload.units import format_bytes
 from gds_offload.weights.manifest import read_manifest
 
@@ -62,7 +63,6 @@ class StepResult(ChildResult):
 
 def run_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float = 3600) -> list[StepResult]:
     """Run one mode in a child (under the cap if given) after dropping the weights' page cache."""
-    from gds_offload.bench.weights.drive import evict
 
     evict(weight_files(Path(spec.checkpoint), Path(spec.store)))
     found, run = child_rows("gds_offload.bench.weights.finetune_child", spec, memory_limit=memory_limit, timeout_s=timeout_s)
@@ -112,7 +112,6 @@ def _summarize(rows: list[StepResult]) -> list[dict[str, Any]]:
 
 def finetune_table(report: dict[str, Any]) -> dict[str, Any]:
     """The page's table: one row per mode and batch size."""
-    from gds_offload.units import format_bytes
 
     rows = report["summary"]["finetune"]
     resident = {r["batch"]: r["tokens_per_s"] for r in rows if r["mode"] == "resident" and r["tokens_per_s"]}

@@ -32,6 +32,7 @@ from typing import Any
 from gds_offload.bench.weights.bench import serve_rows
 from gds_offload.bench.weights.child import own_memory, peak_rss, read_bytes
 from gds_offload.bench.weights.finetune import FinetuneSpec, StepResult
+from gds_offload.weights import load_streamed
 
 __all__ = ["run_child"]
 
@@ -47,8 +48,6 @@ def _load(spec: FinetuneSpec) -> tuple[Any, Any]:
     import peft
     import torch
     import transformers
-
-    from gds_offload.weights import load_streamed
 
     if spec.mode == "resident":
         model = transformers.AutoModelForCausalLM.from_pretrained(spec.checkpoint)
