@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import gds_offload
-from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.models import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.units import format_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric import Fabric
 
 import gds_offload
-from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.models import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.units import format_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

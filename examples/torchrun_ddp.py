@@ -34,8 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gds_offload
-from gds_offload.activations.spill.ranks import rank_env
-from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.models import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.units import format_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,7 +48,7 @@ args = parser.parse_args()
 
 # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; under srun the SLURM variables give the rank and
 # the batch script exports MASTER_ADDR/MASTER_PORT.
-launch = rank_env()
+launch = gds_offload.rank_env()
 cuda = torch.cuda.is_available()
 if cuda:
     torch.cuda.set_device(launch.local_rank or 0)
@@ -95,7 +94,7 @@ if rank == 0:
     print(
         f"all {s.ranks} ranks, {s.steps} steps: offloaded {format_bytes(s.bytes_offloaded)}, read {format_bytes(s.bytes_read)}, "
         f"kept {format_bytes(s.bytes_kept)}, fell back {format_bytes(s.bytes_fallback)}; largest peak resident "
-        f"{format_bytes(s.peak_resident_bytes)}; I/O wait {s.io_wait_seconds:.3f} s; engine {s.engine}"
+        f"{format_bytes(s.peak_resident_bytes)}; I/O wait {s.io_wait_s:.3f} s; engine {s.engine}"
     )
     if reference is not None:
         print("losses and parameters bit-identical to the run without the offloader on every rank:", "yes" if exact else "NO")

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import gds_offload
-from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
+from gds_offload.models import GPTConfig, lm_loss, make_gpt, synthetic_batch
 from gds_offload.units import format_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,5 +37,5 @@ with gds_offload.attach(model, path=args.path, mode=args.mode, min_bytes="256KiB
 print(
     f"per step: saved {format_bytes(s.bytes_packed / s.steps)}, offloaded {format_bytes(s.bytes_offloaded / s.steps)}, "
     f"deduplicated {format_bytes(s.bytes_deduplicated / s.steps)}; peak resident {format_bytes(s.peak_resident_bytes)}; "
-    f"I/O wait {s.io_wait_seconds:.3f} s in {s.steps} steps"
+    f"I/O wait {s.io_wait_s:.3f} s in {s.steps} steps"
 )

@@ -41,7 +41,7 @@ def test_modes_in_child_processes_agree_bit_for_bit(tmp_path) -> None:
     results = [run_mode(replace(base, mode=m), on_event=events.append, timeout_s=300) for m in ("keep", "offload:posix", "recompute")]
     for r in results:
         assert r.status == "ok", r.error
-        assert len(r.losses_hex) == 3 and len(r.step_seconds) == 2 and r.median_step_s > 0
+        assert len(r.losses_hex) == 3 and len(r.step_s) == 2 and r.median_step_s > 0
         assert r.peak_activation_bytes is not None and r.memory_source.startswith("VmHWM")
         assert r.returncode == 0
     keep, off, rec = results
@@ -239,7 +239,7 @@ def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
         ["keep", "a", "b"], ["a", "b", "keep"], ["b", "keep", "a"], ["keep", "a", "b"]]
 
     def row(mode: str, k: int, step: float, peak: int, hexes: str = "0x1.0p+0") -> RunResult:
-        return RunResult(mode, "ok", median_step_s=step, step_seconds=[step, step], peak_activation_bytes=peak,
+        return RunResult(mode, "ok", median_step_s=step, step_s=[step, step], peak_activation_bytes=peak,
                          losses_hex=[hexes], params_digest="d", tokens_per_step=10, round=k)
 
     # Round 2 is a slow spell for every mode: per-round ratios are unaffected, pooled medians are not.
@@ -252,7 +252,7 @@ def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
     assert a["losses_agree"] is False and s["modes"]["keep"]["losses_agree"] is True  # one round differed
     assert s["all_losses_agree"] is False
     combined = {r.mode: r for r in combine_rounds(rows)}
-    assert len(combined["a"].step_seconds) == 6 and combined["a"].median_step_s == pytest.approx(1.2)
+    assert len(combined["a"].step_s) == 6 and combined["a"].median_step_s == pytest.approx(1.2)
     assert combined["a"].peak_activation_bytes == 40 and combined["a"].tokens_per_s == pytest.approx(10 / 1.2)
     failed = combine_rounds(rows + [RunResult("a", "error", "boom", round=3)])
     assert [r.status for r in failed if r.mode == "a"] == ["error"]
@@ -282,12 +282,12 @@ def test_bench_command_paired(tmp_path, capsys) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     keep, off = doc["results"]
-    assert len(keep["step_seconds"]) == 4 and keep["paired_keep_seconds"] == []
-    assert len(off["step_seconds"]) == len(off["paired_keep_seconds"]) == 2
+    assert len(keep["step_s"]) == 4 and keep["paired_keep_s"] == []
+    assert len(off["step_s"]) == len(off["paired_keep_s"]) == 2
     assert off["offload"]["steps"] == 2 and off["peak_activation_bytes"] is not None  # paused steps are not offloaded
     assert_exact(doc["summary"])  # every step, offloaded or paused, equals keep's
     ratios = doc["summary"]["modes"]["offload:posix"]["paired_ratios"]
-    assert ratios == pytest.approx([a / b for a, b in zip(off["step_seconds"], off["paired_keep_seconds"])])
+    assert ratios == pytest.approx([a / b for a, b in zip(off["step_s"], off["paired_keep_s"])])
     assert "paired" in capsys.readouterr().out.split("results:")[0]
 
 
@@ -369,9 +369,9 @@ def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, m
 def test_io_hidden_fraction() -> None:
     from gds_offload.bench.train.demo_view import io_hidden_fraction
 
-    assert io_hidden_fraction({"write_seconds": 1.0, "read_seconds": 1.0, "io_wait_seconds": 0.5}) == 0.75
-    assert io_hidden_fraction({"write_seconds": 0.0, "read_seconds": 0.0, "io_wait_seconds": 0.0}) is None
-    assert io_hidden_fraction({"write_seconds": 0.1, "read_seconds": 0.1, "io_wait_seconds": 1.0}) == 0.0
+    assert io_hidden_fraction({"write_s": 1.0, "read_s": 1.0, "io_wait_s": 0.5}) == 0.75
+    assert io_hidden_fraction({"write_s": 0.0, "read_s": 0.0, "io_wait_s": 0.0}) is None
+    assert io_hidden_fraction({"write_s": 0.1, "read_s": 0.1, "io_wait_s": 1.0}) == 0.0
 
 
 # ---------------------------------------------------------------------- plot, machine

@@ -328,7 +328,7 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
         from gds_offload.bench.train.spec import RunSpec
 
         spec = RunSpec(mode="keep", seq=s.seq, batch=4, steps=steps, data=str(s.directory))
-        return spec, RunResult("keep", "ok", tokens_per_s=1000.0, step_seconds=[0.1, 0.1])
+        return spec, RunResult("keep", "ok", tokens_per_s=1000.0, step_s=[0.1, 0.1])
 
     monkeypatch.setattr(bench, "_demo_step", fake_demo)
     doc = bench.run_loader_bench(shards, batches=(4,), rounds=1, workers=(0,), command="gds-offload shards --bench x")
@@ -364,6 +364,6 @@ def test_runner_trains_from_shards(shards: Path) -> None:
     assert torch.equal(hf["input_ids"], in_order[0][:, :-1]) and hf["labels"] is hf["input_ids"]
     result = run_here(spec, emit=lambda ev: None)
     assert result.status == "ok" and len(result.losses) == 3
-    assert len(result.input_wait_seconds) == spec.steps and all(w >= 0 for w in result.input_wait_seconds)
+    assert len(result.input_wait_s) == spec.steps and all(w >= 0 for w in result.input_wait_s)
     with pytest.raises(ValueError, match="pass --vocab 4096"):
         build_workload(replace(spec, vocab=100))

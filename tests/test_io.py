@@ -137,7 +137,7 @@ def test_engine_stats_counters(engine_and_store) -> None:
     s = engine.stats()
     assert (s.writes, s.reads) == (2, 1)
     assert (s.bytes_written, s.bytes_read) == (a.numel() + b.numel(), a.numel())
-    assert s.write_busy_seconds > 0 and s.read_busy_seconds > 0
+    assert s.write_busy_s > 0 and s.read_busy_s > 0
     assert s.write_gbps() > 0 and s.read_gbps() > 0
     d = s.as_dict()
     assert d["bytes_written"] == s.bytes_written and d["write_gbps"] == s.write_gbps()

@@ -269,7 +269,7 @@ def test_write_window_bounds_memory_on_a_slow_drive(tmp_path) -> None:
     biggest = max(L.bytes_offloaded for L in st.layers)
     assert st.write_window_bytes == window
     assert 0 < st.peak_writing_bytes <= window + biggest, st
-    assert st.write_wait_seconds > 0 and st.io_wait_seconds >= st.write_wait_seconds
+    assert st.write_wait_s > 0 and st.io_wait_s >= st.write_wait_s
 
 
 def test_default_write_window_follows_the_layer_size(tmp_path) -> None:

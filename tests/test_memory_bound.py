@@ -62,7 +62,7 @@ def test_saved_bytes_in_memory_stay_under_the_bound_from_the_first_step(
         for s in range(3):
             assert_same(ref[s], train_step(model, x, seed=s))
         st = settled(off)
-    assert st.steps == 3 and st.bytes_read > 0 and st.write_wait_seconds > 0, st
+    assert st.steps == 3 and st.bytes_read > 0 and st.write_wait_s > 0, st
     layer = max(s.bytes_offloaded for s in st.layers) // st.steps
     assert layer == 2 * MiB, [(s.name, s.bytes_offloaded) for s in st.layers]
     window, ahead = st.write_window_bytes, prefetch_bytes if prefetch_bytes is not None else layer

@@ -215,7 +215,7 @@ def test_adaptive_under_a_bandwidth_cap_stops_stalling(spill_dir) -> None:
             _timed_step(model, x, off)
         stalled = off.stats(reset=True)
         _timed_step(model, x, off)
-        all_wait = off.stats().io_wait_seconds
+        all_wait = off.stats().io_wait_s
     assert stalled.stalls > 0 and all_wait > 0.1, "the cap must make offload-all wait, or this test shows nothing"
     with _on_a_capped_drive(gds_offload.attach(model, path=spill_dir, mode="posix", policy="adaptive", min_bytes=0), cap) as off:
         for _ in range(4):  # warm up, profile, plan, settle
@@ -224,7 +224,7 @@ def test_adaptive_under_a_bandwidth_cap_stops_stalling(spill_dir) -> None:
         _timed_step(model, x, off)
         s = off.stats()
         plan = off.plan()
-    assert s.io_wait_seconds < 0.5 * all_wait, (s.io_wait_seconds, all_wait)
+    assert s.io_wait_s < 0.5 * all_wait, (s.io_wait_s, all_wait)
     assert len(plan.offloaded_units()) < len([d for d in plan.decisions if d.bytes]) - 1, "kept more than the last layer"
 
 

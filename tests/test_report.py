@@ -130,3 +130,21 @@ def test_commit_is_dirty_for_code_changes_not_for_result_files(tmp_path: Path) -
     assert commit and not commit.endswith("+dirty")
     (tmp_path / "code.py").write_text("x = 2\n")
     assert str(current_commit(tmp_path)).endswith("+dirty")
+
+
+def test_result_files_with_the_old_seconds_keys_render_as_new_ones(tmp_path: Path) -> None:
+    """Times were once named ``*_seconds`` in result files; they are ``*_s`` now. A committed
+    file of either naming renders to the same section."""
+    from gds_offload.bench.docs.report import current_keys
+
+    old = json.loads((REPO / "docs/results/train-demo.json").read_text())
+    assert "step_seconds" in json.dumps(old), "the committed file is of the old naming"
+    new = current_keys(old)
+    text = json.dumps(new)
+    assert "_seconds" not in text and '"step_s"' in text and '"io_wait_s"' in text
+    for name, doc in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "demo.json").write_text(json.dumps(doc))
+    pages = [render_page(load_sections(tmp_path / name), tmp_path / name, command="gds-offload report") for name in ("old", "new")]
+    assert pages[0] == pages[1]
+    assert "| offload:posix |" in pages[0] and "exact" in pages[0]

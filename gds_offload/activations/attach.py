@@ -82,7 +82,7 @@ def attach(
             offset. Off by default: without it, bytes changed on disk go undetected
             (see :mod:`gds_offload.io.integrity`).
         write_window: most bytes that writes in flight may hold in memory (int or ``"512MiB"``);
-            when it is full, the pack hook waits for writes to finish (``stats().write_wait_seconds``).
+            when it is full, the pack hook waits for writes to finish (``stats().write_wait_s``).
             Default: twice the largest layer's offloaded bytes, at least 64 MiB. This bounds
             memory when the drive is slower than forward produces activations.
 

@@ -296,8 +296,8 @@ class Offloader:
         e = self.engine.stats()
         snap = replace(
             live,
-            write_seconds=e.write_busy_seconds,
-            read_seconds=e.read_busy_seconds,
+            write_s=e.write_busy_s,
+            read_s=e.read_busy_s,
             spill_file_bytes=self.store.file_bytes(),
             layers=layers,
         )

@@ -34,7 +34,7 @@ __all__ = ["reduce_stats"]
 _TEXT = ("engine", "engine_reason", "gds", "layers")
 _MAX_FIELDS = ("steps",)
 _LAYER_INTS = ("bytes_packed", "bytes_offloaded", "bytes_kept")
-_LAYER_FLOATS = ("forward_seconds", "backward_seconds")
+_LAYER_FLOATS = ("forward_s", "backward_s")
 
 
 def _group_device(dist: Any) -> torch.device:
@@ -105,7 +105,7 @@ def reduce_stats(local: OffloadStats) -> OffloadStats:
         packed, offloaded, kept = (int(v) for v in layer_i[j * n_i:(j + 1) * n_i])
         fwd_s, bwd_s = (float(v) for v in layer_f[j * n_f:(j + 1) * n_f])
         layers.append(LayerStats(name, bytes_packed=packed, bytes_offloaded=offloaded, bytes_kept=kept,
-                                 forward_seconds=fwd_s, backward_seconds=bwd_s))
+                                 forward_s=fwd_s, backward_s=bwd_s))
     return replace(
         local,
         **out,

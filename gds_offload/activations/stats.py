@@ -15,8 +15,8 @@ class LayerStats:
     bytes_packed: int = 0
     bytes_offloaded: int = 0
     bytes_kept: int = 0
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
 
 
 @dataclass
@@ -59,12 +59,12 @@ class OffloadStats:
     #: The bound on bytes held by writes in flight (``attach(write_window=...)``, or derived).
     write_window_bytes: int = 0
     #: Engine wall time with a write (read) in flight.
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
+    write_s: float = 0.0
+    read_s: float = 0.0
     #: Time the training thread was blocked waiting for I/O: reads in backward, and the
-    #: write window in forward (``write_wait_seconds`` of it).
-    io_wait_seconds: float = 0.0
-    write_wait_seconds: float = 0.0
+    #: write window in forward (``write_wait_s`` of it).
+    io_wait_s: float = 0.0
+    write_wait_s: float = 0.0
     #: Unpacks that had to wait for a read.
     stalls: int = 0
     spill_file_bytes: int = 0

@@ -17,7 +17,7 @@ Figures in the summary:
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
   peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.train.child`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
-* **I/O hidden behind compute**: ``1 - io_wait_seconds / (write_seconds + read_seconds)``:
+* **I/O hidden behind compute**: ``1 - io_wait_s / (write_s + read_s)``:
   of the time the engine was moving bytes, the share during which the training thread
   was *not* blocked waiting for a read. 100 % means no step ever waited on the drive; it
   does not count CPU time the I/O threads took from compute (on a small CPU, compare the

@@ -50,9 +50,9 @@ _LOGGED = (
     "bytes_fallback",
     "peak_resident_bytes",
     "resident_bytes",
-    "write_seconds",
-    "read_seconds",
-    "io_wait_seconds",
+    "write_s",
+    "read_s",
+    "io_wait_s",
     "stalls",
 )
 

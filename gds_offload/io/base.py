@@ -44,26 +44,26 @@ Direction = Literal["write", "read"]
 
 @dataclass
 class EngineStats:
-    """Counters of one engine. ``*_busy_seconds`` is wall time with at least one transfer being
-    served (queueing excluded), so ``bytes / busy_seconds`` is the bandwidth the engine sustained
+    """Counters of one engine. ``*_busy_s`` is wall time with at least one transfer being
+    served (queueing excluded), so ``bytes / busy_s`` is the bandwidth the engine sustained
     while working."""
 
     bytes_written: int = 0
     bytes_read: int = 0
     writes: int = 0
     reads: int = 0
-    write_busy_seconds: float = 0.0
-    read_busy_seconds: float = 0.0
+    write_busy_s: float = 0.0
+    read_busy_s: float = 0.0
     retries: int = 0
     #: Host memory the engine holds in idle buffers kept for reuse (now, not a total): read
     #: buffers between their tensor's death and the next read (see :meth:`Engine.trim`).
     idle_buffer_bytes: int = 0
 
     def write_gbps(self) -> float:
-        return self.bytes_written / self.write_busy_seconds / 1e9 if self.write_busy_seconds else 0.0
+        return self.bytes_written / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
 
     def read_gbps(self) -> float:
-        return self.bytes_read / self.read_busy_seconds / 1e9 if self.read_busy_seconds else 0.0
+        return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"write_gbps": self.write_gbps(), "read_gbps": self.read_gbps()}
@@ -231,9 +231,9 @@ class Engine(ABC):
                 if self._active[kind] == 0:
                     busy = time.perf_counter() - self._busy_since[kind]
                     if kind == "write":
-                        self._stats.write_busy_seconds += busy
+                        self._stats.write_busy_s += busy
                     else:
-                        self._stats.read_busy_seconds += busy
+                        self._stats.read_busy_s += busy
 
     def _throttle(self, nbytes: int) -> None:
         # Called by every engine before each transfer (or chunk) starts.

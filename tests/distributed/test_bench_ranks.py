@@ -13,8 +13,8 @@ from test_launchers import clean_env
 
 from gds_offload.bench.docs.report import load_sections, render_page
 from gds_offload.bench.train.ranks_runner import RankedResult, combine_ranks
-from gds_offload.bench.train.runner import RunResult
 from gds_offload.bench.train.ranks_suite import one_process_path, ranks_agree, summarize_settings
+from gds_offload.bench.train.runner import RunResult
 
 TINY = ["--layers", "2", "--hidden", "64", "--seq", "64", "--batch", "2", "--vocab", "256", "--steps", "2", "--warmup", "1",
         "--min-bytes", "0", "--plot", ""]
@@ -65,7 +65,7 @@ def test_bench_on_two_ranks(tmp_path):
     scaling = doc["summary"]["scaling"]["offload:posix"]
     assert scaling["n_over_1"] == scaling["x_keep_2"] / scaling["x_keep_1"]
     # --paired: one paused step beside the offloaded one, on every rank at once, and still exact.
-    assert len(two["paired_keep_seconds"]) == 1 and all(len(x["paired_keep_seconds"]) == 1 for x in two["ranks"])
+    assert len(two["paired_keep_s"]) == 1 and all(len(x["paired_keep_s"]) == 1 for x in two["ranks"])
     assert scaling["paired_n_over_1"] == scaling["paired_2"] / scaling["paired_1"]
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["rank0", "rank1"]  # each rank its own directory
     # The performance page renders it as its own table.
@@ -126,7 +126,7 @@ def test_termination_signal_stops_every_rank(tmp_path):
 
 def _row(mode: str, nproc: int, step_s: float, losses: list[list[str]], k: int = 0) -> RankedResult:
     ranks = [{"losses_hex": x} for x in losses] if nproc > 1 else []
-    return RankedResult(mode, "ok", step_seconds=[step_s], median_step_s=step_s, losses_hex=losses[0], params_digest="d",
+    return RankedResult(mode, "ok", step_s=[step_s], median_step_s=step_s, losses_hex=losses[0], params_digest="d",
                         nproc=nproc, ranks=ranks, round=k)
 
 
@@ -150,9 +150,9 @@ def test_one_process_spills_where_rank_0_does(tmp_path):
 
 
 def test_the_job_row_takes_each_steps_slowest_rank():
-    a = RunResult("keep", "ok", step_seconds=[1.0, 3.0, 2.0], peak_activation_bytes=10, params_digest="x", losses_hex=["0"], tokens_per_step=8)
-    b = RunResult("keep", "ok", step_seconds=[2.0, 1.0, 2.5], peak_activation_bytes=30, params_digest="y", losses_hex=["1"], tokens_per_step=8)
+    a = RunResult("keep", "ok", step_s=[1.0, 3.0, 2.0], peak_activation_bytes=10, params_digest="x", losses_hex=["0"], tokens_per_step=8)
+    b = RunResult("keep", "ok", step_s=[2.0, 1.0, 2.5], peak_activation_bytes=30, params_digest="y", losses_hex=["1"], tokens_per_step=8)
     job = combine_ranks([a, b])
-    assert job.step_seconds == [2.0, 3.0, 2.5] and job.median_step_s == 2.5 and job.tokens_per_s == 8 / 2.5
+    assert job.step_s == [2.0, 3.0, 2.5] and job.median_step_s == 2.5 and job.tokens_per_s == 8 / 2.5
     assert job.peak_activation_bytes == 30 and job.losses_hex == ["0"] and job.params_digest == "x,y"
     assert combine_ranks([a, a]).params_digest == "x"

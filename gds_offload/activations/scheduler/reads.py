@@ -78,7 +78,7 @@ class ReadPath(SchedulerState):
         read.error()  # a failure is reported by the caller, with the layer and tensor it belongs to
         waited = time.perf_counter() - t0
         with self._lock:
-            self._stats.io_wait_seconds += waited
+            self._stats.io_wait_s += waited
             fwd = self.forwards.get(entry.forward_id)
             if fwd is not None:
                 fwd.read_wait_s += waited

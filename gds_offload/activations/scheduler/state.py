@@ -171,13 +171,13 @@ class SchedulerState:
                 clock = NoTiming()  # reading CUDA events synchronises the device
             now, before = self.engine.stats(), self._engine_mark
             self._engine_mark = now
-            dw, dwt = now.bytes_written - before.bytes_written, now.write_busy_seconds - before.write_busy_seconds
-            dr, drt = now.bytes_read - before.bytes_read, now.read_busy_seconds - before.read_busy_seconds
+            dw, dwt = now.bytes_written - before.bytes_written, now.write_busy_s - before.write_busy_s
+            dr, drt = now.bytes_read - before.bytes_read, now.read_busy_s - before.read_busy_s
             profile = fwd.profile(clock, write_bps=dw / dwt if dw and dwt > 0 else 0.0, read_bps=dr / drt if dr and drt > 0 else 0.0)
             for u, p in zip(fwd.units, profile.units):
                 s = self._layer_stat(u.name)
-                s.forward_seconds += p.forward_s
-                s.backward_seconds += p.backward_s
+                s.forward_s += p.forward_s
+                s.backward_s += p.backward_s
         self.engine.trim()
         self.policy.observe(profile)
 

@@ -81,8 +81,8 @@ class WritePath(SchedulerState):
         while self._writing and self._held["writing"] + nbytes > window and not self._stopped:
             self._written.wait(timeout=1.0)
         waited = time.perf_counter() - t0
-        self._stats.write_wait_seconds += waited
-        self._stats.io_wait_seconds += waited
+        self._stats.write_wait_s += waited
+        self._stats.io_wait_s += waited
         fwd.units[fwd.unit].write_wait_s += waited
 
     def _on_written(self, entry: Entry, future: IOFuture) -> None:

@@ -210,7 +210,7 @@ def _document(shards: ShardSet, rows: list[Measurement], spec: Any, demo: Any, d
         "measurements": [{"source": m.source, "batch": m.batch, "tokens": m.tokens, "seconds": m.seconds,
                           "tokens_per_s": m.tokens_per_s} for m in rows],
         "demo": {"spec": spec.to_json(), "status": demo.status, "error": demo.error, "tokens_per_s": demo_tps,
-                 "step_seconds": demo.step_seconds},
+                 "step_s": demo.step_s},
         "directory": str(Path(shards.directory).resolve()),
         "load_average": load_average,
     }

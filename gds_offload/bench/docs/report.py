@@ -78,8 +78,25 @@ def current_commit(cwd: Path | None = None) -> str | None:
         return None
 
 
+#: The suffix of times in result files written before every time was named ``*_s``.
+OLD_SECONDS_SUFFIX = "_seconds"
+
+
+def current_keys(value: Any) -> Any:
+    """``value`` (a result file's JSON) with every key of an older file renamed as it is named
+    now: ``*_seconds`` keys (``step_seconds``, ``io_wait_seconds``...) become ``*_s``. Keys of the
+    current format, and every value, are left as they are."""
+    if isinstance(value, dict):
+        return {(k[: -len(OLD_SECONDS_SUFFIX)] + "_s" if isinstance(k, str) and k.endswith(OLD_SECONDS_SUFFIX) else k): current_keys(v)
+                for k, v in value.items()}  # fmt: skip
+    if isinstance(value, list):
+        return [current_keys(v) for v in value]
+    return value
+
+
 def load_sections(results_dir: Path) -> list[Section]:
-    """Every ``*.json`` under ``results_dir``, in name order.
+    """Every ``*.json`` under ``results_dir``, in name order, read in the current key names
+    (:func:`current_keys`: files written by older versions render as new ones do).
 
     Raises:
         ValueError: a file is not a JSON object with a ``command``; names the file.
@@ -92,7 +109,7 @@ def load_sections(results_dir: Path) -> list[Section]:
             raise ValueError(f"{path}: not JSON ({exc}); rerun the command that wrote it") from exc
         if not isinstance(doc, dict) or "command" not in doc:
             raise ValueError(f"{path}: a result file must be a JSON object with a 'command' (written by a --out option)")
-        sections.append(Section(path, doc))
+        sections.append(Section(path, current_keys(doc)))
     return sections
 
 
@@ -136,7 +153,7 @@ def _bytes(n: float | None) -> str:
 
 def _pooled(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """(median step time, median peak activation memory) of one mode's runs, rounds pooled."""
-    steps = sorted(x for run in runs for x in run["step_seconds"])
+    steps = sorted(x for run in runs for x in run["step_s"])
     peaks = sorted(run["peak_activation_bytes"] for run in runs if run.get("peak_activation_bytes") is not None)
     return (steps[len(steps) // 2] if steps else None), (peaks[len(peaks) // 2] if peaks else None)
 
@@ -164,7 +181,7 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
             continue
         median, peak = _pooled(runs)
         off = r.get("offload") or {}
-        n = max(1, off.get("steps") or len(r["step_seconds"]))
+        n = max(1, off.get("steps") or len(r["step_s"]))
         parts = "-" if not off else " / ".join(_bytes(off.get(k)) for k in ("peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"))
         out.append("| " + " | ".join([
             mode,
@@ -176,7 +193,7 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
             _bytes(off["bytes_offloaded"] / n) if off else "-",
             _bytes(off["bytes_deduplicated"] / n) if off else "-",
             parts,
-            f"{off['io_wait_seconds'] / n:.3f} s" if off else "-",
+            f"{off['io_wait_s'] / n:.3f} s" if off else "-",
             _verdict(s),
         ]) + " |")
     return out
@@ -207,7 +224,7 @@ def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             s = settings[str(nproc)]["modes"][mode]
             median, peak = _pooled(group)
             off = group[0].get("offload") or {}
-            steps = max(1, off.get("steps") or len(group[0]["step_seconds"]))
+            steps = max(1, off.get("steps") or len(group[0]["step_s"]))
             rows.append([
                 mode,
                 str(nproc),
@@ -218,7 +235,7 @@ def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                   if paired else []),
                 _bytes(peak),
                 _bytes(off["bytes_offloaded"] / steps) if off else "-",
-                f"{off['io_wait_seconds'] / steps:.3f} s" if off else "-",
+                f"{off['io_wait_s'] / steps:.3f} s" if off else "-",
                 _verdict(s),
             ])
     return head, rows

@@ -103,7 +103,7 @@ def _offload_snapshot(off: Any) -> dict[str, Any]:
         "peak_resident_bytes": s.peak_resident_bytes,
         "bytes_offloaded": s.bytes_offloaded,
         "bytes_read": s.bytes_read,
-        "io_wait_seconds": s.io_wait_seconds,
+        "io_wait_s": s.io_wait_s,
         "write_gbps": e.write_gbps(),
         "read_gbps": e.read_gbps(),
     }
@@ -262,7 +262,7 @@ def _measure(trainer: _Trainer, peak: Peak) -> int | None:
     (``None``: not measured).
 
     With ``spec.paired`` (offload modes) offloaded and paused steps alternate in ABBA order,
-    the paused ones go to ``paired_keep_seconds``, and the peak is that of the offloaded
+    the paused ones go to ``paired_keep_s``, and the peak is that of the offloaded
     ones and of the warm-up (offloaded too).
     """
     spec, off, result = trainer.spec, trainer.off, trainer.result
@@ -277,8 +277,8 @@ def _measure(trainer: _Trainer, peak: Peak) -> int | None:
             loss, dt = trainer.step(i)
         if paired and offloaded:
             paired_peak = max(paired_peak, peak.now() or 0)
-        (result.step_seconds if offloaded else result.paired_keep_seconds).append(dt)
-        result.input_wait_seconds.append(trainer.input_wait_s)
+        (result.step_s if offloaded else result.paired_keep_s).append(dt)
+        result.input_wait_s.append(trainer.input_wait_s)
         trainer.record(i, "measure" if offloaded else "paused", loss, dt)
     if not paired:
         return peak.now()
@@ -294,7 +294,7 @@ def run_here(
 
     With ``spec.paired`` an offload mode alternates its measured steps between offloaded
     and :meth:`~gds_offload.Offloader.paused` ones (pairs in ABBA order): the paused steps
-    go to ``paired_keep_seconds``, and the memory peak is that of the offloaded steps. With
+    go to ``paired_keep_s``, and the memory peak is that of the offloaded steps. With
     an odd ``spec.steps`` the last step is offloaded and unpaired (:func:`is_unpaired`).
     ``workload`` builds the model (``bench --nproc``: wrapped in DDP, each rank its batches).
 
@@ -343,7 +343,7 @@ def run_here(
     finally:
         if off is not None:
             off.detach()
-    result.median_step_s = statistics.median(result.step_seconds)
+    result.median_step_s = statistics.median(result.step_s)
     result.tokens_per_s = spec.tokens_per_step / result.median_step_s if result.median_step_s else None
     result.params_digest = _params_digest(wl.model)
     result.status = "ok"

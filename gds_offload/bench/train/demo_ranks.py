@@ -75,7 +75,7 @@ def _summary(stats: Any, keep_s: float, off_s: float, exact: bool, world: int) -
     for name in ("bytes_packed", "bytes_offloaded", "bytes_deduplicated", "bytes_read", "bytes_kept", "bytes_fallback"):
         table.add_row(f"{name.removeprefix('bytes_')} per step, all ranks", format_bytes(getattr(stats, name) / steps))
     table.add_row("offloader peak resident (largest rank)", format_bytes(stats.peak_resident_bytes))
-    table.add_row("I/O wait per step, all ranks", f"{stats.io_wait_seconds / steps:.3f} s")
+    table.add_row("I/O wait per step, all ranks", f"{stats.io_wait_s / steps:.3f} s")
     table.add_row("engine", f"{stats.engine} ({'GDS' if stats.gds else 'no GDS'})")
     table.add_row("losses and parameters bit-identical on every rank", "[green]yes[/]" if exact else "[red]NO[/]")
     return table

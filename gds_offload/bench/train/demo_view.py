@@ -91,11 +91,11 @@ class LiveView:
 
 
 def io_hidden_fraction(offload: dict[str, Any]) -> float | None:
-    """``1 - io_wait_seconds / (write_seconds + read_seconds)``, clamped to [0, 1]; None without I/O."""
-    busy = offload.get("write_seconds", 0.0) + offload.get("read_seconds", 0.0)
+    """``1 - io_wait_s / (write_s + read_s)``, clamped to [0, 1]; None without I/O."""
+    busy = offload.get("write_s", 0.0) + offload.get("read_s", 0.0)
     if busy <= 0:
         return None
-    return min(1.0, max(0.0, 1.0 - offload.get("io_wait_seconds", 0.0) / busy))
+    return min(1.0, max(0.0, 1.0 - offload.get("io_wait_s", 0.0) / busy))
 
 
 def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
@@ -117,7 +117,7 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     pairs = paired_ratios(off) if o_ok else []
     if pairs:
         table.add_row(f"step time, offloaded / paused, same process ({len(pairs)} pair{'' if len(pairs) == 1 else 's'})", "", "", f"{statistics.median(pairs):.2f}x")
-    waits = [statistics.median(r.input_wait_seconds) if ok and r.input_wait_seconds else None for r, ok in ((keep, k_ok), (off, o_ok))]
+    waits = [statistics.median(r.input_wait_s) if ok and r.input_wait_s else None for r, ok in ((keep, k_ok), (off, o_ok))]
     table.add_row("input wait per step (median)", *(f"{w:.4f} s" if w is not None else "-" for w in waits), "")
     k_mem = keep.peak_activation_bytes if k_ok else None
     o_mem = off.peak_activation_bytes if o_ok else None
@@ -129,7 +129,7 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
         for name in ("bytes_packed", "bytes_offloaded", "bytes_deduplicated", "bytes_forwarded", "bytes_read", "bytes_kept"):
             table.add_row(f"{name.removeprefix('bytes_')} per step", "", _gb(stats[name] / steps), "")
         hidden = io_hidden_fraction(stats)
-        table.add_row("I/O wait per step", "", f"{stats['io_wait_seconds'] / steps:.3f} s", "")
+        table.add_row("I/O wait per step", "", f"{stats['io_wait_s'] / steps:.3f} s", "")
         table.add_row("I/O hidden behind compute", "", "-" if hidden is None else f"{hidden:.0%}", "")
         table.add_row("engine", "", f"{stats['engine']} ({'GDS' if stats['gds'] else 'no GDS'})", "")
     table.add_row("loss curves agree (bit-identical)", "", "-" if agree is None else "[green]yes[/]" if agree else "[red]NO[/]", "")

@@ -43,7 +43,7 @@ UNAVAILABLE_EXIT = 3
 class RankedResult(RunResult):
     """A :class:`~gds_offload.bench.train.runner.RunResult` of a run on ``nproc`` processes.
 
-    With ``nproc`` above 1 (:func:`combine_ranks`): ``step_seconds`` are the job's step
+    With ``nproc`` above 1 (:func:`combine_ranks`): ``step_s`` are the job's step
     times, each the slowest rank's; ``peak_activation_bytes`` the largest rank's;
     ``losses``, ``offload`` and the rest rank 0's; ``params_digest`` the ranks' digests,
     comma-separated where they differ. ``ranks`` holds every rank's own result.
@@ -71,14 +71,14 @@ def combine_ranks(results: list[RunResult]) -> RunResult:
     all-reduce waits for every rank), so each step's time is the largest over the ranks.
     """
     first = results[0]
-    steps = [max(col) for col in zip(*(r.step_seconds for r in results))]
-    paused = [max(col) for col in zip(*(r.paired_keep_seconds for r in results))]
+    steps = [max(col) for col in zip(*(r.step_s for r in results))]
+    paused = [max(col) for col in zip(*(r.paired_keep_s for r in results))]
     peaks = [r.peak_activation_bytes for r in results]
     median = statistics.median(steps) if steps else None
     return replace(
         first,
-        step_seconds=steps,
-        paired_keep_seconds=paused,
+        step_s=steps,
+        paired_keep_s=paused,
         median_step_s=median,
         tokens_per_s=first.tokens_per_step / median if median else None,
         peak_activation_bytes=None if None in peaks else max(p for p in peaks if p is not None),

@@ -115,12 +115,12 @@ class RunResult:
     device: str = ""
     tokens_per_step: int = 0
     #: Every step's wall time, warm-up steps excluded (with ``paired``: the offloaded steps).
-    step_seconds: list[float] = field(default_factory=list)
-    #: ``paired`` offload modes: the paused steps, ``paired_keep_seconds[j]`` the partner of ``step_seconds[j]``.
-    paired_keep_seconds: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    #: ``paired`` offload modes: the paused steps, ``paired_keep_s[j]`` the partner of ``step_s[j]``.
+    paired_keep_s: list[float] = field(default_factory=list)
     #: How long each measured step (offloaded and paused alike, in order) waited for its batch
     #: (``batch_fn``, outside the step's time): the input pipeline's stall, ~0 when it keeps up.
-    input_wait_seconds: list[float] = field(default_factory=list)
+    input_wait_s: list[float] = field(default_factory=list)
     median_step_s: float | None = None
     tokens_per_s: float | None = None
     #: Peak memory over the whole run, first step included, above the baseline taken before
@@ -230,7 +230,7 @@ def compare_losses(results: list[RunResult], reference: str = "keep") -> dict[st
 
 def paired_ratios(result: RunResult) -> list[float]:
     """Each pair's offloaded step time over its paused partner's (empty unless the run was paired)."""
-    return [a / b for a, b in zip(result.step_seconds, result.paired_keep_seconds) if b]
+    return [a / b for a, b in zip(result.step_s, result.paired_keep_s) if b]
 
 
 def attach_kwargs(spec: RunSpec, engine: str, policy: str) -> dict[str, Any]:

@@ -113,7 +113,7 @@ def unexplained_differences(summary: dict[str, Any]) -> list[str]:
 def combine_rounds(results: list[Any]) -> list[Any]:
     """One row per mode (in first-seen order) pooling its rounds.
 
-    ``step_seconds`` holds every round's steps and ``median_step_s`` is their median;
+    ``step_s`` holds every round's steps and ``median_step_s`` is their median;
     ``peak_activation_bytes`` is the median of the rounds' peaks; ``offload`` and the
     rest come from the mode's first round. A mode that failed in any round is that
     failed row.
@@ -125,14 +125,14 @@ def combine_rounds(results: list[Any]) -> list[Any]:
         if bad is not None or len(runs) == 1:
             out.append(bad or runs[0])
             continue
-        steps = [s for r in runs for s in r.step_seconds]
-        paused = [s for r in runs for s in r.paired_keep_seconds]
+        steps = [s for r in runs for s in r.step_s]
+        paused = [s for r in runs for s in r.paired_keep_s]
         peaks = [r.peak_activation_bytes for r in runs if r.peak_activation_bytes is not None]
         median = statistics.median(steps)
         out.append(replace(
             runs[0],
-            step_seconds=steps,
-            paired_keep_seconds=paused,
+            step_s=steps,
+            paired_keep_s=paused,
             median_step_s=median,
             tokens_per_s=runs[0].tokens_per_step / median if median else None,
             peak_activation_bytes=int(statistics.median(peaks)) if peaks else None,
@@ -165,7 +165,7 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
             table.add_row(r.mode, f"[red]{r.status}[/]" if r.status == "error" else f"[yellow]{r.status}[/]", *["-"] * (len(cols) - 2))
             continue
         off = r.offload or {}
-        steps = max(1, off.get("steps", 0) or len(r.step_seconds))
+        steps = max(1, off.get("steps", 0) or len(r.step_s))
         agree = s["losses_agree"]
         table.add_row(
             r.mode,
@@ -177,7 +177,7 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
             f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
             _fmt_bytes(off["bytes_offloaded"] / steps) if off else "-",
             _fmt_bytes(off["bytes_deduplicated"] / steps) if off else "-",
-            f"{off['io_wait_seconds'] / steps:.3f} s" if off else "-",
+            f"{off['io_wait_s'] / steps:.3f} s" if off else "-",
             "-" if agree is None else "[green]yes[/]" if agree else "[red]NO[/]",
         )
     console.print(table)
