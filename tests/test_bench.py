@@ -345,18 +345,18 @@ def test_demo_checks_in_one_process_when_processes_disagree(tmp_path, capsys, mo
 def test_bench_checks_in_one_process_when_processes_disagree(tmp_path, capsys, monkeypatch) -> None:
     """bench, like demo: an offload mode whose losses differ from keep's process is re-checked in
     one process; the run fails only if that check fails (or the mode cannot be checked)."""
-    import gds_offload.bench.train.child as child
-    import gds_offload.bench.train.spec as bench_spec
+    import gds_offload.bench.train.suite as suite
     from gds_offload.bench.train.suite import unexplained_differences
 
-    monkeypatch.setattr(bench_spec, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
+    # The names the bench's suite calls: the cross-process comparison, then the one-process check.
+    monkeypatch.setattr(suite, "compare_losses", lambda results, reference="keep": {r.mode: r.mode == "keep" for r in results})
     out = tmp_path / "bench.json"
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
     row = json.loads(out.read_text())["summary"]["modes"]["offload:posix"]
     assert rc == 0 and row["losses_agree"] is False and row["exact_in_process"] is True
     text = "".join(capsys.readouterr())
     assert "checking in one process" in text and "bit-identical in one process" in text
-    monkeypatch.setattr(child, "exact_in_process", lambda spec, steps=2: False)
+    monkeypatch.setattr(suite, "exact_in_process", lambda spec, steps=2: False)
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:posix", "--path", str(tmp_path), "--out", str(out)])
     assert rc == 1 and json.loads(out.read_text())["summary"]["modes"]["offload:posix"]["exact_in_process"] is False
     assert "NOT bit-identical in one process" in "".join(capsys.readouterr())

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import requires_root
+from helpers.gates import requires_root
 
 from gds_offload.bench.cgroup import CGROUP_V1_MEMORY, cap_available
 from gds_offload.cli import main

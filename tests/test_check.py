@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import schema_violations
+from helpers.schema import schema_violations
 
 import gds_offload.bench
 from gds_offload.check.cli import main as check_main

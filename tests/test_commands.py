@@ -12,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.procs import alive, children, cmdline
 
 from gds_offload.cli import COMMANDS, main
 
@@ -26,41 +28,6 @@ TINY_ARGS = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64", "
 
 
 # ---------------------------------------------------------------------------- signals
-def _children(pid: int) -> list[int]:
-    """Every live descendant of ``pid``."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found.extend(kids)
-        todo.extend(kids)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     """The command as a user starts it from a terminal: with SIGINT's default disposition, which
     a runner started in the background (``nohup``, ``cmd &`` without job control) would
@@ -96,7 +63,7 @@ def _wait_until(proc: subprocess.Popen[str], done: Callable[[], object], what: s
     start = used = _cpu_s(proc.pid)
     moved = time.monotonic()
     while not done():
-        family = [proc.pid, *_children(proc.pid)]
+        family = [proc.pid, *children(proc.pid)]
         now = sum(_cpu_s(p) for p in family)
         if now != used or any(_running(p) for p in family):
             used, moved = now, time.monotonic()
@@ -112,7 +79,7 @@ def _wait_for_child(proc: subprocess.Popen[str], marker: str) -> int:
 
     def found() -> bool:
         assert proc.poll() is None, f"the command ended early: {proc.communicate()}"
-        kids.extend(k for k in _children(proc.pid) if marker in _cmdline(k))
+        kids.extend(k for k in children(proc.pid) if marker in cmdline(k))
         return bool(kids)
 
     _wait_until(proc, found, f"a child process running {marker}")
@@ -142,7 +109,7 @@ SIGNALLED = {
              "--placements", "keep", "--steps", "100000", "--warmup", "1", "--out", "rok.json", "--plot", "rok.png"],
             "gds_offload.bench.train.child"),
     "bench-weights": (["bench-weights", "--tiny", "--modes", "resident", "--repeats", "100000", "--workdir", "{tmp}/wd"],
-                      "gds_offload.bench.weights.bench"),
+                      "gds_offload.bench.weights.child"),
 }
 
 
@@ -169,15 +136,15 @@ def test_termination_signal_stops_the_command_and_its_children(command: str, sig
     child = _wait_for_child(proc, marker)
     # Past its start (about a CPU-second), on an idle or a busy machine alike.
     _wait_until(proc, lambda: _cpu_s(child) >= 1, "the child to run")
-    family = _children(proc.pid)
+    family = children(proc.pid)
     assert child in family
     proc.send_signal(signum)
     err = _stderr_at_exit(proc)
     assert proc.returncode == 128 + signum, (proc.returncode, err[-2000:])
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+    while any(alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], "a child outlived the command"
+    assert not [p for p in family if alive(p)], "a child outlived the command"
     lines = [line for line in err.strip().splitlines() if "it/s]" not in line]  # save_pretrained's progress bar
     # Progress lines may come first (bench-weights logs its phases); the stop is one line, the last.
     assert "Traceback" not in err and sum(command in line and signum.name in line for line in lines) == 1, err
@@ -226,14 +193,44 @@ def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, c
     assert "even number" not in text
 
 
-def test_demo_frames_end_their_lines(tmp_path, capsys) -> None:
-    """Each run's last frame ends its line before the next run's header (no "...┘gds-offload demo: ...")."""
+def test_demo_off_a_terminal_prints_a_plain_line_per_step(tmp_path, capsys) -> None:
+    """Off a terminal (pytest captures stdout) the demo prints its title once, then one plain line
+    per run, setup and step, and no half-drawn table: every table border ends its line."""
     assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path)]) == 0
-    text = capsys.readouterr().out
-    for line in text.splitlines():
+    lines = capsys.readouterr().out.splitlines()
+    for line in lines:
         stripped = line.rstrip()
         assert "┘" not in stripped or stripped.endswith("┘"), line
-    assert sum(line.startswith("gds-offload demo: ") for line in text.splitlines()) == 2, text
+    assert sum(line.startswith("gds-offload demo: ") for line in lines) == 1, lines
+    for run in ("run 1/2: keep", "run 2/2: offload:host"):
+        steps = [line for line in lines if line.startswith(f"{run}: step ")]
+        assert [s.split()[4] for s in steps] == ["1", "2", "3"], lines  # 1 warm-up + 2 measured steps, each a line
+        assert any(line.startswith(f"{run}: starting") for line in lines)
+
+
+def test_demo_into_a_pipe_shows_each_step_as_it_runs_and_stops_on_a_line_of_its_own(tmp_path) -> None:
+    """``gds-offload demo`` with stdout and stderr into one pipe (a log file, CI): the first step's
+    line arrives while the run goes on; SIGTERM then ends it with "stopped by SIGTERM" at the start
+    of a line, not glued to a table border."""
+    proc = subprocess.Popen([sys.executable, "-m", "gds_offload.cli", "demo", *TINY_ARGS, "--steps", "100000", "--mode", "posix",
+                             "--path", str(tmp_path)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="120"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        _wait_until(proc, lambda: any(": step 1 (" in line for line in lines), "the first step's line")
+        assert proc.poll() is None, "the line came only at the end"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines)[-2000:]
+    stop = [line for line in lines if "stopped by SIGTERM" in line]
+    assert stop == ["gds-offload demo: stopped by SIGTERM\n"], "".join(lines)[-2000:]
 
 
 # ---------------------------------------------------------------------------- arguments, before any work
@@ -246,12 +243,14 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any child run, engine measurement or weight benchmark fails the test: arguments must be refused first."""
     import gds_offload.bench.weights.bench as weights_bench
     from gds_offload.bench import io as io_bench
+    from gds_offload.bench import procs
     from gds_offload.bench.train import rok, runner
 
     def started(*_a: object, **_kw: object) -> None:
         raise _WorkStarted("work started before the arguments were checked")
 
-    for module, name in ((runner, "run_mode"), (rok, "run_mode"), (io_bench, "run_bench"), (weights_bench, "run_bench")):
+    # procs.run_child: every benchmark child starts there (the one child protocol).
+    for module, name in ((procs, "run_child"), (runner, "run_mode"), (rok, "run_mode"), (io_bench, "run_bench"), (weights_bench, "run_bench")):
         monkeypatch.setattr(module, name, started)
 
 
@@ -355,7 +354,7 @@ def test_memory_estimate_matches_a_measured_keep_run() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
 def test_bench_io_refuses_a_size_larger_than_the_free_space(tmp_path, no_work: None, capsys) -> None:
     """bench-io checks free space first, rather than filling the drive and dying with a raw CalledProcessError."""
-    from models import tmpfs
+    from helpers.disks import tmpfs
 
     with tmpfs(tmp_path / "small", "16m") as small:
         code, text = _exit_code(["bench-io", "--path", str(small), "--size", "64MiB", "--engines", "posix"], capsys)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cuda_test
+from helpers.gates import cuda_test
 
 from gds_offload.cli import main
 from gds_offload.data.format import MANIFEST_NAME, ShardError, read_shard_header, scan_shards, write_shard
@@ -281,19 +281,18 @@ def test_gds_reader_path_reports_its_reader(shards: Path) -> None:
 # ---------------------------------------------------------------------- the path check
 def test_input_path_status_reasons(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gds_offload.data import check
-    from gds_offload.node import system as node
     from gds_offload.node.system import GpuInfo, GpuProbe, LibcufileProbe, NvidiaFsProbe
 
     no_gpu = check.input_path_status(shards)
     if not torch.cuda.is_available():
         assert no_gpu.reader == "cpu" and "no CUDA GPU" in no_gpu.reason and not no_gpu.gds
     assert check.input_path_status(shards.parent / "nowhere").reader == "unusable"
-    monkeypatch.setattr(node, "probe_gpus", lambda root=None: GpuProbe(gpus=(GpuInfo(0, "H200", 1 << 40),)))
-    monkeypatch.setattr(node, "probe_libcufile", lambda root=None: LibcufileProbe(True, "/x/libcufile.so.0", "1.13", "wheel"))
-    monkeypatch.setattr(node, "probe_nvidia_fs", lambda root=None: NvidiaFsProbe(False))
+    monkeypatch.setattr(check, "probe_gpus", lambda root=None: GpuProbe(gpus=(GpuInfo(0, "H200", 1 << 40),)))
+    monkeypatch.setattr(check, "probe_libcufile", lambda root=None: LibcufileProbe(True, "/x/libcufile.so.0", "1.13", "wheel"))
+    monkeypatch.setattr(check, "probe_nvidia_fs", lambda root=None: NvidiaFsProbe(False))
     status = check.input_path_status(shards)
     assert status.reader == "gpu-compat" and "nvidia-fs" in status.reason and status.facts["gpu"] == "H200"
-    monkeypatch.setattr(node, "probe_libcufile", lambda root=None: LibcufileProbe(False, searched=("ldconfig -p",)))
+    monkeypatch.setattr(check, "probe_libcufile", lambda root=None: LibcufileProbe(False, searched=("ldconfig -p",)))
     assert "libcufile" in check.input_path_status(shards).reason
     monkeypatch.setattr(check, "dali_version", lambda: None)
     missing = check.input_path_status(shards)
@@ -330,7 +329,7 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
         spec = RunSpec(mode="keep", seq=s.seq, batch=4, steps=steps, data=str(s.directory))
         return spec, RunResult("keep", "ok", tokens_per_s=1000.0, step_s=[0.1, 0.1])
 
-    monkeypatch.setattr(bench, "_demo_step", fake_demo)
+    monkeypatch.setattr(bench, "demo_step", fake_demo)
     doc = bench.run_loader_bench(shards, batches=(4,), rounds=1, workers=(0,), command="gds-offload shards --bench x")
     assert doc["kind"] == "table" and doc["command"] == "gds-offload shards --bench x"
     assert {"title", "about", "commit", "machine", "started", "wall_s"} <= set(doc)

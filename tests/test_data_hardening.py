@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import real_disk_base
+from helpers.disks import real_disk_base
 
 from gds_offload.cli import main
 from gds_offload.data.format import MANIFEST_NAME, ShardError, scan_shards, write_shard

@@ -67,11 +67,13 @@ class FakeBackend(CudaBackend):
 
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
+        self.streams: list[FakeStream] = []
         self._n = 0
 
     def stream(self, device: torch.device) -> FakeStream:
         self._n += 1
-        return FakeStream(self.log, f"s{self._n}")
+        self.streams.append(FakeStream(self.log, f"s{self._n}"))
+        return self.streams[-1]
 
     def event(self) -> FakeEvent:
         self._n += 1
@@ -91,6 +93,11 @@ class FakeBackend(CudaBackend):
 
 def _random(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _where(buf: Any) -> str:
+    """Whose memory a buffer handed to KvikIO is: ``cpu`` (a numpy array or a host tensor) or a device type."""
+    return buf.device.type if isinstance(buf, torch.Tensor) else "cpu"
 
 
 def _index(log: list[tuple[Any, ...]], entry: tuple[Any, ...]) -> int:
@@ -254,8 +261,7 @@ def test_posix_device_route_stages_through_pinned_buffers_on_side_streams(spill_
 
     monkeypatch.setattr(posix, "on_device", lambda t: True)
     backend = FakeBackend()
-    engine = PosixEngine(num_threads=3, chunk_bytes=64 << 10)
-    engine._staging = StagingPool(64 << 10, backend, count=1)
+    engine = PosixEngine(num_threads=3, chunk_bytes=64 << 10, cuda=backend)
     try:
         with _store(spill_dir) as store:
             assert store.files[0].direct, "the spill file should be O_DIRECT here (real disk)"
@@ -263,7 +269,7 @@ def test_posix_device_route_stages_through_pinned_buffers_on_side_streams(spill_
     finally:
         engine.close()
     assert backend.count("record") > 0 and backend.count("pinned") > 0
-    assert not hasattr(engine._local, "mm"), "device memory went through the pageable bounce buffers"
+    assert engine.stats().bounced_bytes == 0, "device memory went through the pageable bounce buffers"
 
 
 @needs_kvikio
@@ -272,17 +278,22 @@ def test_compat_device_route_gives_kvikio_host_pages_copied_on_side_streams(spil
     from gds_offload.io.kvikio_engine import KvikIOEngine
 
     monkeypatch.setattr(kvikio_engine, "on_device", lambda t: True)
+    import kvikio
+
     backend = FakeBackend()
-    engine = KvikIOEngine("compat", num_threads=2, task_bytes=64 << 10)
-    engine._staging = StagingPool(64 << 10, backend)
+    engine = KvikIOEngine("compat", num_threads=2, task_bytes=64 << 10, cuda=backend)
     handed: list[Any] = []
-    real_move = engine._move
 
-    def move(kind: str, handle: Any, buf: Any, offset: int) -> None:
-        handed.append((kind, buf.device.type if isinstance(buf, torch.Tensor) else "span", len(buf) if not isinstance(buf, torch.Tensor) else buf.numel(), offset))
-        real_move(kind, handle, buf, offset)
+    class HandedCuFile(kvikio.CuFile):  # what the engine hands KvikIO, logged on the way
+        def pwrite(self, buf: Any, size: int, file_offset: int = 0, task_size: int | None = None) -> Any:
+            handed.append(("write", _where(buf), size, file_offset))
+            return super().pwrite(buf, size, file_offset, task_size)
 
-    engine._move = move  # type: ignore[method-assign]
+        def pread(self, buf: Any, size: int, file_offset: int = 0, task_size: int | None = None) -> Any:
+            handed.append(("read", _where(buf), size, file_offset))
+            return super().pread(buf, size, file_offset, task_size)
+
+    monkeypatch.setattr(kvikio, "CuFile", HandedCuFile)
     try:
         with _store(spill_dir) as store:
             _round_trips(engine, store, backend)
@@ -354,9 +365,8 @@ def test_gds_device_route_queues_cufile_stream_ops_on_a_side_stream(
     monkeypatch.setattr(kvikio, "CuFile", FakeCuFile)
     FakeCuFile.log = []
     backend = FakeBackend()
-    engine = KvikIOEngine("gds", num_threads=2)  # no CUDA here: cuFile's settings are not touched
+    engine = KvikIOEngine("gds", num_threads=2, cuda=backend)  # no CUDA here: cuFile's settings are not touched
     engine.stream_io = stream_io
-    engine._streams = SideStreams(backend)
     try:
         with _store(spill_dir) as store:
             for i, n in enumerate([1, 4096, 300_001]):
@@ -371,7 +381,7 @@ def test_gds_device_route_queues_cufile_stream_ops_on_a_side_stream(
                     assert any(e[0] == "wait_event" and e[2] == f"ready-r{i}" for e in backend.log)
                 else:
                     assert ("sync_event", f"ready-r{i}") in backend.log
-        side = {s.cuda_stream for s in engine._streams.values()}
+        side = {s.cuda_stream for s in backend.streams}
     finally:
         engine.close()
     kinds = {e[0] for e in FakeCuFile.log}
@@ -517,11 +527,14 @@ def test_gds_engine_without_cuda_claims_no_gds() -> None:
 
 
 def test_only_mode_gds_by_name_is_strict(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gds_offload.node import choice as select
+    from gds_offload.node import choice
+    from gds_offload.node.verdict import Verdict
 
-    monkeypatch.setattr(select, "_gds_verdict", lambda path: (True, "usable"))
-    assert select.choose_engine("gds", spill_dir).strict
-    assert select.choose_engine("auto", spill_dir).engine == "gds" and not select.choose_engine("auto", spill_dir).strict
+    # A node where the direct path works: a GPU, and gds-check's verdict (the name choose_engine asks) says gds.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(choice, "node_verdict", lambda path: Verdict("gds", "usable", "", ()))
+    assert choice.choose_engine("gds", spill_dir).strict
+    assert choice.choose_engine("auto", spill_dir).engine == "gds" and not choice.choose_engine("auto", spill_dir).strict
 
 
 def test_attach_hands_the_choice_strictness_to_make_engine(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -574,7 +587,7 @@ def test_io_bench_refuses_device_memory_without_a_gpu_before_measuring(spill_dir
 
 def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str]) -> None:
     from gds_offload.bench.io import IOBenchReport, buffer_label
-    from gds_offload.check.cli import _bandwidth_check, _rate
+    from gds_offload.check.cli import bandwidth_check, bandwidth_rate
     from gds_offload.commands.bench_io import render
 
     label = buffer_label("gds", "host", False)
@@ -584,7 +597,7 @@ def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str
 
     render(IOBenchReport(machine=describe_machine("/tmp").as_dict(), raw=None, rows=[row]))
     assert "not GPUDirect" in " ".join(capsys.readouterr().out.split())
-    rate = _rate(row, "gds")
+    rate = bandwidth_rate(row, "gds")
     assert rate["memory"] == "host" and rate["label"] == label
 
     class _Probe:
@@ -593,5 +606,5 @@ def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str
     class _Report:
         paths = [_Probe()]
 
-    check = _bandwidth_check(_Report(), [{"gds": rate}], [], [], 1 << 20)  # type: ignore[arg-type]
+    check = bandwidth_check(_Report(), [{"gds": rate}], [], [], 1 << 20)  # type: ignore[arg-type]
     assert label in check.detail

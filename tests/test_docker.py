@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import schema_violations
+from helpers.schema import schema_violations
 from packaging.requirements import Requirement
 from packaging.version import Version
 

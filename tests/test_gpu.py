@@ -42,15 +42,15 @@ import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_view, real_disk_base
-from models import Result, assert_same, grads_of, settled
+from helpers.disks import real_disk_base
+from helpers.models import Result, assert_same, grads_of, settled
+from helpers.tensors import byte_view
 from torch import nn
 
 import gds_offload
@@ -623,29 +623,6 @@ OVERLAP_MS = 500
 OVERLAP_BYTES = (8 << 20) + 4_321
 
 
-def _warm_engine_threads(engine: Engine) -> None:
-    """Give every engine thread its side stream and staging buffers before a window opens.
-
-    Allocating page-locked host memory is an implicit synchronization point of the device
-    (CUDA C++ Programming Guide, "Implicit Synchronization"): a thread's first device
-    transfer, which pins its staging buffers, waits for the kernels queued before it. That
-    happens once per thread in a run; a window opened before would measure it instead of
-    the steady state. A barrier makes each of the pool's threads take one warm-up task."""
-    pool = engine._pool if hasattr(engine, "_pool") else engine._threads  # type: ignore[attr-defined]  # HostEngine: one thread
-    workers = pool._max_workers
-    barrier = threading.Barrier(workers)
-
-    def warm() -> None:
-        barrier.wait(timeout=60)
-        for registry in (getattr(engine, "_staging", None), getattr(engine, "_streams", None)):
-            if registry is not None:
-                registry.get(CUDA)
-
-    for future in [pool.submit(warm) for _ in range(workers)]:
-        future.result(timeout=120)
-    torch.cuda.synchronize()
-
-
 def _busy_default_stream(ms: float) -> torch.cuda.Event:
     """Queue a ``ms`` GPU sleep on the legacy default stream (where training runs); return an
     event recorded after it: not done while the sleep runs."""
@@ -670,7 +647,8 @@ def test_engine_write_overlaps_a_kernel_on_the_default_stream(mode: str, spill_p
         engine.write(src, warm, ready=_ready()).wait(timeout_s=120)  # handles open, host's pinned slot buffer made
         engine.release(warm)  # the host engine reuses its pinned buffer for the next slot of this size
         store.free(warm)
-        _warm_engine_threads(engine)
+        engine.warm_up(CUDA)  # each thread's side stream and pinned buffers before the window: pinning synchronizes the device
+        torch.cuda.synchronize()
         slot = store.allocate(engine.slot_bytes(OVERLAP_BYTES, CUDA))
         ready = _ready()  # src is produced; nothing queued after this touches it
         busy = _busy_default_stream(OVERLAP_MS)
@@ -700,7 +678,8 @@ def test_engine_read_overlaps_a_kernel_on_the_default_stream(mode: str, spill_pa
         engine.write(src, slot, ready=_ready()).wait(timeout_s=120)
         warm = engine.empty(OVERLAP_BYTES, slot, CUDA)
         engine.read(warm, slot, ready=_ready()).wait(timeout_s=120)
-        _warm_engine_threads(engine)
+        engine.warm_up(CUDA)  # each thread's side stream and pinned buffers before the window: pinning synchronizes the device
+        torch.cuda.synchronize()
         dst = engine.empty(OVERLAP_BYTES, slot, CUDA)  # allocated before the window: cudaMalloc synchronizes too
         ready = _ready()
         busy = _busy_default_stream(OVERLAP_MS)

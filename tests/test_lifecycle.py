@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import ENGINES, Result, assert_same, make, offload_everything, settled, train_step
+from helpers.gates import ENGINES
+from helpers.models import Result, TanhStack, assert_same, make, offload_everything, param_grads, settled, train_step
 from torch import nn
 
 import gds_offload
@@ -89,28 +90,13 @@ def test_torch_func_gets_pytorchs_message_and_paused_runs_it(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------- threads
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x.pow(2).sum()
-
-
-def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return torch.autograd.grad(model(x), list(model.parameters()))
-
-
 def test_threads_each_run_forward_and_backward(engine: str, tmp_path) -> None:
     """Four threads train one attached model at once, each on its own inputs (PyTorch supports
     this; before: KeyError). Every thread's gradients equal the plain ones."""
     torch.manual_seed(0)
-    model = _Stack()
+    model = TanhStack()
     xs = [torch.randn(32, 64) for _ in range(4)]
-    ref = [_grads(model, x) for x in xs]
+    ref = [param_grads(model, x) for x in xs]
     got: list[list[bool]] = [[] for _ in xs]
     start = threading.Barrier(len(xs))
     with offload_everything(model, tmp_path, engine) as off:
@@ -118,7 +104,7 @@ def test_threads_each_run_forward_and_backward(engine: str, tmp_path) -> None:
         def run(i: int) -> None:
             start.wait()
             for _ in range(5):
-                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], _grads(model, xs[i]))))
+                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], param_grads(model, xs[i]))))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
         for t in threads:
@@ -133,12 +119,12 @@ def test_threads_each_run_forward_and_backward(engine: str, tmp_path) -> None:
 def test_paused_is_per_thread(tmp_path) -> None:
     """``paused()`` on one thread leaves another thread's forwards offloaded."""
     torch.manual_seed(0)
-    model, x = _Stack(), torch.randn(32, 64)
+    model, x = TanhStack(), torch.randn(32, 64)
     with offload_everything(model, tmp_path) as off:
         seen: list[int] = []
         with off.paused():
-            _grads(model, x)
-            t = threading.Thread(target=lambda: (_grads(model, x), seen.append(off.stats().bytes_packed)))
+            param_grads(model, x)
+            t = threading.Thread(target=lambda: (param_grads(model, x), seen.append(off.stats().bytes_packed)))
             t.start()
             t.join()
         assert seen[0] > 0 and off.stats().steps == 1
@@ -150,14 +136,13 @@ import os, sys, warnings
 import torch
 torch.set_num_threads(1)  # libgomp's pool does not survive fork: plain PyTorch hangs in the child otherwise
 sys.path.insert(0, sys.argv[1])
-from models import offload_everything, settled
-from test_lifecycle import _Stack, _grads
+from helpers.models import TanhStack, offload_everything, param_grads, settled
 
 torch.manual_seed(0)
-model, x = _Stack(), torch.randn(64, 64)
-ref = _grads(model, x)
+model, x = TanhStack(), torch.randn(64, 64)
+ref = param_grads(model, x)
 off = offload_everything(model, sys.argv[2], sys.argv[3])
-_grads(model, x)
+param_grads(model, x)
 pids = []
 for _ in range(3):
     pid = os.fork()
@@ -165,13 +150,13 @@ for _ in range(3):
         code = 1
         try:
             warnings.simplefilter("ignore")  # KvikIO -> posix in the child is announced, and expected
-            ok = all(all(torch.equal(a, b) for a, b in zip(ref, _grads(model, x))) for _ in range(10))
+            ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
             st = settled(off)
             code = 0 if ok and st.bytes_offloaded > 0 and off.engine.name in ("posix", "host") else 2
         finally:
             os._exit(code)
     pids.append(pid)
-ok = all(all(torch.equal(a, b) for a, b in zip(ref, _grads(model, x))) for _ in range(10))
+ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
 codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
 off.detach()
 print("parent", ok, "children", codes)

@@ -1,17 +1,21 @@
-"""Lint as part of the test run: ``ruff check`` and ``mypy``, configured in pyproject.toml.
+"""Lint as part of the test run: ``ruff check`` and ``mypy`` (configured in pyproject.toml), and
+the package's shape: its layers, no import cycle, its top level, what examples import.
 
-Both run from this interpreter's environment (``python -m ruff``, ``python -m mypy``), the
+The tools run from this interpreter's environment (``python -m ruff``, ``python -m mypy``), the
 one ``scripts/setup.sh`` fills from the ``test`` extra, so the README's test command
-(and CI, which runs it) fails on a lint or type error with the tool's own report.
+(and CI, which runs it) fails on a lint or type error with the tool's own report. The shape is
+read from the source with :mod:`helpers.imports` (an AST walk, no import-linter needed).
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.imports import Edge, ImportGraph, find_cycle, in_any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,3 +38,88 @@ def test_ruff_is_clean() -> None:
 def test_mypy_is_clean() -> None:
     # The files and options are pyproject's [tool.mypy]; .mypy_cache makes a rerun take seconds.
     _run_tool("mypy", timeout_s=900)
+
+
+# ---------------------------------------------------------------------------- the package's layers
+# Read from the source (helpers.imports): every import anywhere in a file counts, function-local
+# ones included; imports under ``if TYPE_CHECKING:`` do not (they never run).
+PKG = "gds_offload"
+#: The library: never imports the benchmarks, the commands, gds-check's CLI or gds-offload's.
+LIBRARY = ("activations", "weights", "data", "io", "node", "integrations", "models")
+ABOVE_LIBRARY = ("bench", "commands", "check", "cli")
+#: Each layer and what it may import of the package (itself always).
+ALLOWED = {
+    "io": ("errors", "units"),
+    "node": ("io", "errors", "units"),
+}
+#: Modules that load without torch (``gds-check``, ``gds-offload --help``): they may import
+#: heavy modules of the package inside functions, and only those.
+LIGHT = ("cli", "commands", "check")
+#: What examples/ may import: the public API.
+PUBLIC = ("gds_offload", "gds_offload.weights", "gds_offload.data", "gds_offload.integrations", "gds_offload.models",
+          "gds_offload.errors", "gds_offload.units")
+
+
+def _graph() -> ImportGraph:
+    return ImportGraph(REPO, PKG)
+
+
+def _names(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"{PKG}.{p}" for p in prefixes)
+
+
+def _show(edges: list[Edge]) -> str:
+    return "\n".join(f"  {e.source} imports {e.target} (line {e.line}{', inside a function' if e.local else ''})" for e in edges)
+
+
+def test_layers_import_only_what_is_below_them() -> None:
+    g = _graph()
+    bad = [e for e in g.edges_from(_names(LIBRARY)) if in_any(e.target, _names(ABOVE_LIBRARY))]
+    assert not bad, "the library imports the benchmarks or the commands:\n" + _show(bad)
+    for layer, allowed in ALLOWED.items():
+        bad = [e for e in g.edges_from(_names((layer,))) if not in_any(e.target, _names((layer, *allowed)))]
+        assert not bad, f"{PKG}.{layer} may import only {', '.join(allowed)} of the package:\n" + _show(bad)
+
+
+def test_no_import_cycle_at_any_level() -> None:
+    """Module-level and function-local imports alike: a cycle hidden in a function body is one."""
+    g = _graph()
+    targets: dict[str, set[str]] = {}
+    for e in g.edges:
+        targets.setdefault(e.source, set()).add(e.target)
+    cycle = find_cycle(g.files, targets)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_function_local_imports_only_keep_light_modules_light() -> None:
+    """An internal import inside a function is there for one reason: a module that loads without
+    torch (the commands, gds-check) reaching one that needs it. Anything else goes at the top."""
+    g = _graph()
+    heavy = g.heavy_modules()
+    bad = [e for e in g.edges if e.local and not (in_any(e.source, _names(LIGHT)) and e.target in heavy)]
+    assert not bad, "function-local imports of the package's own modules that need not be:\n" + _show(bad)
+    light = [m for m in g.files if in_any(m, _names(LIGHT)) and m in heavy]
+    assert not light, f"these modules must load without torch, but import it at module level: {light}"
+
+
+def test_the_top_level_holds_at_most_eight_modules() -> None:
+    top = sorted(p.name for p in (REPO / PKG).glob("*.py"))
+    assert len(top) <= 8, f"{PKG}/ holds {len(top)} modules ({', '.join(top)}); a new one belongs in a subpackage"
+
+
+def _public(module: str) -> bool:
+    return module in PUBLIC or module.startswith(("gds_offload.integrations.", "gds_offload.models."))
+
+
+def test_examples_import_only_the_public_api() -> None:
+    bad = []
+    for path in sorted((REPO / "examples").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"  {path.name}:{node.lineno} imports {m}" for m in modules if m.startswith(PKG) and not _public(m)]
+    assert not bad, "examples import internals (use gds_offload, gds_offload.weights/.data/.integrations/.models):\n" + "\n".join(bad)

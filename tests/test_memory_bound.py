@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP, assert_same, offload_everything, settled, train_step
+from helpers.models import MLP, assert_same, offload_everything, settled, train_step
 
 import gds_offload
 

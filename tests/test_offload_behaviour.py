@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP, TinyGPT, assert_same, is_root, make, offload_everything, settled, tmpfs, train_step
+from helpers.disks import is_root, tmpfs
+from helpers.models import MLP, TinyGPT, assert_same, make, offload_everything, settled, train_step
 from torch import nn
 
 import gds_offload

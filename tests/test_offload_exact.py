@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint as cp
-from models import MLP, TinyGPT, assert_same, grads_of, make, offload_everything, settled, train_step
+from helpers.models import MLP, TinyGPT, assert_same, grads_of, make, offload_everything, settled, train_step
 from torch import nn
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP, SparseInputNet, assert_same, fill, grads_of, is_root, make, offload_everything, settled, tmpfs, train_step
+from helpers.disks import fill, is_root, tmpfs
+from helpers.models import MLP, SparseInputNet, assert_same, grads_of, make, offload_everything, settled, train_step
 from torch import nn
 
 from gds_offload.errors import ConfigError, OffloadError
@@ -363,7 +364,7 @@ def test_verify_exact_when_nothing_is_wrong(writes: str, engine: str, tmp_path) 
 # ---------------------------------------------------------------------------- crashes and interrupts
 _KILL_CHILD = """
 import sys, torch, gds_offload
-from models import make, train_step
+from helpers.models import make, train_step
 model, inputs = make("gpt")
 off = gds_offload.attach(model, path=sys.argv[1], mode=sys.argv[2], min_bytes=0, keep_last=0, max_bandwidth="5MB/s")
 train_step(model, inputs)
@@ -480,7 +481,7 @@ def test_soak_detects_growth(monkeypatch) -> None:
 
 
 def test_ten_thousand_small_tensors_per_step(tmp_path) -> None:
-    from models import ManySmall
+    from helpers.models import ManySmall
 
     model = ManySmall(10_000)
     x = torch.randn(10_000, 16)
@@ -519,7 +520,7 @@ def test_one_huge_tensor(tmp_path, request: pytest.FixtureRequest) -> None:
 # ---------------------------------------------------------------------------- concurrency
 _TWO_PROC_CHILD = """
 import sys, torch, gds_offload
-from models import make, train_step, assert_same, settled
+from helpers.models import make, train_step, assert_same, settled
 model, inputs = make(sys.argv[2])
 refs = [train_step(model, inputs, seed=s) for s in range(6)]
 with gds_offload.attach(model, path=sys.argv[1], mode="posix", min_bytes=0, keep_last=0) as off:
@@ -575,7 +576,7 @@ def test_threads_joined_on_detach(engine: str, tmp_path) -> None:
 
 _EXIT_CHILD = """
 import sys, torch, gds_offload
-from models import make, train_step
+from helpers.models import make, train_step
 model, inputs = make("gpt")
 off = gds_offload.attach(
     model, path=sys.argv[1], mode=sys.argv[2], min_bytes=0, keep_last=0, max_bandwidth="200KB/s", num_threads=1

@@ -7,7 +7,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from models import MLP, is_root, make, train_step
+from helpers.disks import is_root
+from helpers.models import MLP, make, train_step
 
 import gds_offload
 from gds_offload.errors import ConfigError

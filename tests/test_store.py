@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FILE_ENGINE_MODES, fstype, requires_root
+from helpers.disks import fstype
+from helpers.gates import FILE_ENGINE_MODES, requires_root
 
 from gds_offload.activations.spill.store import GROW_BYTES, SpillStore
 from gds_offload.errors import ConfigError, SpillSpaceError

@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
+from helpers.llama import LAYERS, VOCAB, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
 
 from gds_offload.cli import main as cli_main  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402
@@ -37,38 +38,8 @@ from gds_offload.weights import (  # noqa: E402
     verify_store,
 )
 
-LAYERS, VOCAB = 4, 256
 #: The module (the package's ``convert`` attribute is the function of that name).
 convert_mod = importlib.import_module("gds_offload.weights.convert")
-
-
-def _config(**kw: object) -> transformers.LlamaConfig:
-    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
-    return transformers.LlamaConfig(**(base | kw))
-
-
-def _save(cfg: transformers.PretrainedConfig, path: Path, **save_kw: object) -> Path:
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, **save_kw)
-    return path
-
-
-def _skeleton(path: Path, *, empty_weights: bool = False) -> torch.nn.Module:
-    cfg = transformers.AutoConfig.from_pretrained(path)
-    if empty_weights:
-        import accelerate
-
-        with accelerate.init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-    else:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return model.eval()
-
-
-def _resident(path: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +52,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpt(base: Path) -> Path:
-    return _save(_config(), base / "ckpt")
+    return save_checkpoint(llama_config(), base / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +92,7 @@ def test_layout_is_aligned_and_one_range_per_layer(ckpt: Path, store: Path) -> N
 
 
 def test_sharded_checkpoint_converts_to_the_same_store(base: Path, store: Path) -> None:
-    sharded = _save(_config(), base / "ckpt-sharded", max_shard_size="200KB")
+    sharded = save_checkpoint(llama_config(), base / "ckpt-sharded", max_shard_size="200KB")
     assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
     m = convert(sharded, base / "store-sharded")
     single = read_manifest(store)
@@ -190,7 +161,7 @@ def test_check_names_the_corrupted_layer(base: Path, store: Path) -> None:
     assert cli_main(["convert", "--check", str(bad)]) == 1
     assert cli_main(["convert", "--check", str(store)]) == 0
     with pytest.raises(StoreCorruptError, match=r"layer 2 \(model.layers.2\) is corrupt"):  # verify=True names it at read time
-        with load_streamed(_skeleton(bad), bad, verify=True) as h, torch.no_grad():
+        with load_streamed(meta_skeleton(bad), bad, verify=True) as h, torch.no_grad():
             h(torch.zeros(1, 4, dtype=torch.long))
 
 
@@ -225,8 +196,8 @@ def test_convert_and_check_report_progress(base: Path, ckpt: Path, monkeypatch: 
 @pytest.mark.parametrize(("tier", "slots", "resident_layers"), [("drive", 2, 0), ("drive", 1, 0), ("drive", 3, 1), ("host", 2, 0)])
 def test_logits_bit_identical_to_resident(ckpt: Path, store: Path, ids: torch.Tensor, tier: str, slots: int, resident_layers: int) -> None:
     with torch.no_grad():
-        want = _resident(ckpt)(ids).logits
-        with load_streamed(_skeleton(store), store, tier=tier, slots=slots, resident_layers=resident_layers, verify=True) as h:
+        want = resident_model(ckpt)(ids).logits
+        with load_streamed(meta_skeleton(store), store, tier=tier, slots=slots, resident_layers=resident_layers, verify=True) as h:
             for _ in range(2):
                 assert torch.equal(h(ids).logits, want)
             s = h.stats()
@@ -237,9 +208,9 @@ def test_logits_bit_identical_to_resident(ckpt: Path, store: Path, ids: torch.Te
 def test_generate_greedy_and_sampling_match(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
     """Tokens and every step's scores equal the reference: the resident model frozen and aligned as
     a store holds it (as_reference; from_pretrained's own tensors differ in the scores' last bits)."""
-    ref = as_reference(_resident(ckpt))
+    ref = as_reference(resident_model(ckpt))
     kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    with load_streamed(_skeleton(store), store) as h:
+    with load_streamed(meta_skeleton(store), store) as h:
         for tier_kw in ({"do_sample": False}, {"do_sample": True, "top_k": 20}):
             torch.manual_seed(7)
             want = ref.generate(ids, **kw, **tier_kw)
@@ -252,7 +223,7 @@ def test_generate_greedy_and_sampling_match(ckpt: Path, store: Path, ids: torch.
 
 def test_each_layer_read_once_per_forward(store: Path, ids: torch.Tensor) -> None:
     forwards, slots = 3, 2
-    with load_streamed(_skeleton(store), store, slots=slots) as h, torch.no_grad():
+    with load_streamed(meta_skeleton(store), store, slots=slots) as h, torch.no_grad():
         for _ in range(forwards):
             h(ids)
         s = h.stats()
@@ -268,8 +239,8 @@ def test_each_layer_read_once_per_forward(store: Path, ids: torch.Tensor) -> Non
 def test_a_ring_that_holds_every_layer_reads_each_once(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
     """With as many slots as streamed layers, a layer stays in its slot between forwards."""
     with torch.no_grad():
-        want = _resident(ckpt)(ids).logits
-        with load_streamed(_skeleton(store), store, slots=LAYERS) as h:
+        want = resident_model(ckpt)(ids).logits
+        with load_streamed(meta_skeleton(store), store, slots=LAYERS) as h:
             for _ in range(3):
                 assert torch.equal(h(ids).logits, want)
             s = h.stats()
@@ -283,10 +254,10 @@ def test_max_memory_keeps_as_many_leading_layers_as_fit(ckpt: Path, store: Path,
     assert {g.padded_nbytes for g in m.layers} == {layer}
     r = m.resident.padded_nbytes
     with torch.no_grad():
-        want = _resident(ckpt)(ids).logits
+        want = resident_model(ckpt)(ids).logits
         # Resident layers + 2 ring slots: 0 -> r + 2 layers, 1 -> r + 3, 2 or 3 -> r + 4; all 4 (no ring) -> r + 4 too.
         for budget, resident in ((r + 2 * layer, 0), (r + 3 * layer - 1, 0), (f"{r + 3 * layer}B", 1), (r + 4 * layer, LAYERS), ("1GiB", LAYERS)):
-            with load_streamed(_skeleton(store), store, max_memory=budget) as h:
+            with load_streamed(meta_skeleton(store), store, max_memory=budget) as h:
                 assert torch.equal(h(ids).logits, want) and torch.equal(h(ids).logits, want)
                 s = h.stats()
             assert s.resident_layers == [g.name for g in m.layers[:resident]], budget
@@ -299,15 +270,15 @@ def test_max_memory_too_small_or_with_resident_layers_is_refused(store: Path) ->
     assert m.resident is not None
     need = m.resident.padded_nbytes + 2 * max(g.padded_nbytes for g in m.layers)
     with pytest.raises(ConfigError, match=r"holds not even the resident group and the ring.*2 slot\(s\).*or pass fewer slots"):
-        load_streamed(_skeleton(store), store, max_memory=need - 1)
+        load_streamed(meta_skeleton(store), store, max_memory=need - 1)
     with pytest.raises(ConfigError, match="pass one; max_memory chooses resident_layers"):
-        load_streamed(_skeleton(store), store, max_memory="1GiB", resident_layers=1)
+        load_streamed(meta_skeleton(store), store, max_memory="1GiB", resident_layers=1)
     with pytest.raises(ConfigError, match="max_memory='lots' is not a size"):
-        load_streamed(_skeleton(store), store, max_memory="lots")
+        load_streamed(meta_skeleton(store), store, max_memory="lots")
     every = m.resident.padded_nbytes + sum(g.padded_nbytes for g in m.layers)
     with pytest.raises(ConfigError, match="tier='host' on the CPU holds every layer"):
-        load_streamed(_skeleton(store), store, tier="host", max_memory=every - 1)
-    with load_streamed(_skeleton(store), store, tier="host", max_memory=every) as h:
+        load_streamed(meta_skeleton(store), store, tier="host", max_memory=every - 1)
+    with load_streamed(meta_skeleton(store), store, tier="host", max_memory=every) as h:
         assert len(h.stats().resident_layers) == LAYERS
 
 
@@ -330,9 +301,9 @@ def test_settle_waits_for_the_prefetched_reads(monkeypatch: pytest.MonkeyPatch, 
                 ended[0] += 1
 
     with torch.no_grad():
-        want = _resident(ckpt)(ids).logits
+        want = resident_model(ckpt)(ids).logits
         monkeypatch.setattr(posix_mod.os, "preadv", slow_preadv)
-        with load_streamed(_skeleton(store), store, slots=2) as h:
+        with load_streamed(meta_skeleton(store), store, slots=2) as h:
             h.settle()  # the first forward's first two layers, issued at load
             assert started[0] == ended[0]
             started[0] = ended[0] = 0
@@ -348,13 +319,13 @@ def test_settle_waits_for_the_prefetched_reads(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_layer_called_out_of_order_is_a_miss_not_wrong(ckpt: Path, store: Path) -> None:
-    ref = _resident(ckpt)
+    ref = resident_model(ckpt)
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2))
     pos = torch.arange(5)[None]
     with torch.no_grad():
         pe = ref.model.rotary_emb(x, pos)
         want = ref.model.layers[2](x, position_embeddings=pe, attention_mask=None)
-        with load_streamed(_skeleton(store), store) as h:
+        with load_streamed(meta_skeleton(store), store) as h:
             got = h.model.model.layers[2](x, position_embeddings=pe, attention_mask=None)
             s = h.stats()
     assert torch.equal(got[0] if isinstance(got, tuple) else got, want[0] if isinstance(want, tuple) else want)
@@ -363,17 +334,17 @@ def test_layer_called_out_of_order_is_a_miss_not_wrong(ckpt: Path, store: Path) 
 
 
 def test_tied_embeddings(base: Path, ids: torch.Tensor) -> None:
-    ckpt = _save(_config(tie_word_embeddings=True), base / "ckpt-tied")
+    ckpt = save_checkpoint(llama_config(tie_word_embeddings=True), base / "ckpt-tied")
     m = convert(ckpt, base / "store-tied")
     assert "lm_head.weight" not in {t.name for t in m.tensors}
-    with torch.no_grad(), load_streamed(_skeleton(base / "store-tied", empty_weights=True), base / "store-tied") as h:
+    with torch.no_grad(), load_streamed(meta_skeleton(base / "store-tied", empty_weights=True), base / "store-tied") as h:
         assert h.model.lm_head.weight is h.model.model.embed_tokens.weight and not h.model.lm_head.weight.is_meta
-        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+        assert torch.equal(h(ids).logits, resident_model(ckpt)(ids).logits)
 
 
 def test_config_mismatch_is_refused(store: Path) -> None:
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config(rms_norm_eps=1e-5))
+        model = transformers.AutoModelForCausalLM.from_config(llama_config(rms_norm_eps=1e-5))
     with pytest.raises(ConfigMismatchError, match=r"rms_norm_eps: model 1e-05, store 1e-06.*AutoConfig.from_pretrained"):
         load_streamed(model, store)
 
@@ -389,7 +360,7 @@ def test_missing_extra_and_misshaped_keys_are_listed(base: Path, ckpt: Path) -> 
     shutil.copy(ckpt / "config.json", bad / "config.json")
     convert(bad, base / "store-bad")
     with pytest.raises(WeightsMismatchError) as info:
-        load_streamed(_skeleton(base / "store-bad"), base / "store-bad")
+        load_streamed(meta_skeleton(base / "store-bad"), base / "store-bad")
     msg = str(info.value)
     assert "in the model but not in the store (1): model.layers.1.mlp.up_proj.weight" in msg
     assert "in the store but not in the model (1): model.layers.0.extra.weight" in msg
@@ -398,14 +369,14 @@ def test_missing_extra_and_misshaped_keys_are_listed(base: Path, ckpt: Path) -> 
 
 def test_gpt2_layers_and_bad_arguments(base: Path, ids: torch.Tensor) -> None:
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
-    ckpt = _save(cfg, base / "ckpt-gpt2")
+    ckpt = save_checkpoint(cfg, base / "ckpt-gpt2")
     m = convert(ckpt, base / "store-gpt2")
     assert m.layer_prefix == "transformer.h" and len(m.layers) == 3
-    with torch.no_grad(), load_streamed(_skeleton(base / "store-gpt2"), base / "store-gpt2", slots=2) as h:
-        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+    with torch.no_grad(), load_streamed(meta_skeleton(base / "store-gpt2"), base / "store-gpt2", slots=2) as h:
+        assert torch.equal(h(ids).logits, resident_model(ckpt)(ids).logits)
     for kw, match in (({"tier": "ram"}, "tier='ram'"), ({"slots": 0}, "slots=0"), ({"resident_layers": 9}, "resident_layers=9"), ({"device": "meta"}, "device=meta")):
         with pytest.raises(ConfigError, match=match):
-            load_streamed(_skeleton(base / "store-gpt2"), base / "store-gpt2", **kw)
+            load_streamed(meta_skeleton(base / "store-gpt2"), base / "store-gpt2", **kw)
 
 
 def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: torch.Tensor) -> None:
@@ -415,17 +386,17 @@ def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: 
     assert (dirs[1] / "weights.bin").stat().st_size == m.files[1].nbytes and not (dirs[1] / "manifest.json").exists()
     assert verify_store(dirs).groups == LAYERS + 1
     with pytest.raises(StoreFormatError, match="striped over 2 directories but 1 were given"):
-        load_streamed(_skeleton(dirs[0]), dirs[0])
-    with torch.no_grad(), load_streamed(_skeleton(dirs[0]), dirs) as h:
-        assert torch.equal(h(ids).logits, _resident(ckpt)(ids).logits)
+        load_streamed(meta_skeleton(dirs[0]), dirs[0])
+    with torch.no_grad(), load_streamed(meta_skeleton(dirs[0]), dirs) as h:
+        assert torch.equal(h(ids).logits, resident_model(ckpt)(ids).logits)
 
 
 @pytest.mark.skipif(not __import__("gds_offload.io.kvikio_engine", fromlist=["kvikio_status"]).kvikio_status()[0],
                     reason="KvikIO unusable here (needs kvikio-cu12 and libcuda.so.1)")  # fmt: skip
 def test_kvikio_compat_reads_into_the_host_ring(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
     # The engine a GPU uses (KvikIO CuFile.pread), here into host slots; the store is opened read-only.
-    with torch.no_grad(), load_streamed(_skeleton(store), store, engine="compat", verify=True) as h:
-        want = _resident(ckpt)(ids).logits
+    with torch.no_grad(), load_streamed(meta_skeleton(store), store, engine="compat", verify=True) as h:
+        want = resident_model(ckpt)(ids).logits
         for _ in range(2):
             assert torch.equal(h(ids).logits, want)
         s = h.stats()
@@ -438,4 +409,4 @@ def test_device_and_engine_arguments_are_checked(store: Path) -> None:
         cases.append(({"device": "cuda"}, r"needs an NVIDIA GPU, but torch.cuda.is_available\(\) is False"))
     for kw, match in cases:
         with pytest.raises(ConfigError, match=match):
-            load_streamed(_skeleton(store), store, **kw)
+            load_streamed(meta_skeleton(store), store, **kw)

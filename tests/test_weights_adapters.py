@@ -23,7 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import cuda_test, real_disk_base  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
+from helpers.gates import cuda_test  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
 
 from gds_offload.bench.cgroup import MemoryCap, cap_available  # noqa: E402
 from gds_offload.cli import main as cli_main  # noqa: E402

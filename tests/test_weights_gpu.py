@@ -25,8 +25,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base, requires_cuda  # noqa: E402
-from test_weights import VOCAB, _config, _resident, _save, _skeleton  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
+from helpers.gates import requires_cuda  # noqa: E402
+from helpers.llama import VOCAB, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
 
 from gds_offload.io.kvikio_engine import kvikio_status  # noqa: E402
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
@@ -43,7 +44,7 @@ def ckpt_store() -> Iterator[tuple[Path, Path]]:
     d = Path(os.environ.get("GDS_TEST_DIR") or real_disk_base()) / f"gds_offload-weights-gpu-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=True)
     try:
-        ckpt = _save(_config(), d / "ckpt")
+        ckpt = save_checkpoint(llama_config(), d / "ckpt")
         convert(ckpt, d / "store")
         yield ckpt, d / "store"
     finally:
@@ -76,8 +77,8 @@ def _slow_layers(h: object) -> list[object]:
 def test_cuda_logits_equal_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str, engine: str, ring: str) -> None:
     ckpt, store = ckpt_store
     with torch.no_grad():
-        want = _resident(ckpt).cuda()(ids).logits
-        with load_streamed(_skeleton(store), store, device="cuda", tier=tier, engine=engine, verify=True) as h:
+        want = resident_model(ckpt).cuda()(ids).logits
+        with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, engine=engine, verify=True) as h:
             for _ in range(3):
                 got = h(ids).logits
                 assert got.is_cuda and torch.equal(got, want)
@@ -90,8 +91,8 @@ def test_cuda_logits_equal_resident(ckpt_store: tuple[Path, Path], ids: torch.Te
 def test_cuda_generate_matches_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     ckpt, store = ckpt_store
     kw = dict(max_new_tokens=6, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    want = as_reference(_resident(ckpt).cuda()).generate(ids, **kw)
-    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, resident_layers=1) as h:
+    want = as_reference(resident_model(ckpt).cuda()).generate(ids, **kw)
+    with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, resident_layers=1) as h:
         got = h.generate(ids, **kw)
         assert h.stats().misses == 0
     assert torch.equal(got.sequences, want.sequences) and got.sequences.shape[1] == ids.shape[1] + 6
@@ -102,8 +103,8 @@ def test_cuda_generate_matches_resident(ckpt_store: tuple[Path, Path], ids: torc
 def test_cuda_slot_not_overwritten_while_a_kernel_reads_it(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     ckpt, store = ckpt_store
     with torch.no_grad():
-        want = _resident(ckpt).cuda()(ids).logits
-        with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+        want = resident_model(ckpt).cuda()(ids).logits
+        with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
             hooks = _slow_layers(h)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -118,7 +119,7 @@ def test_cuda_slot_not_overwritten_while_a_kernel_reads_it(ckpt_store: tuple[Pat
 
 def test_cuda_close_leaves_resident_tensors_on_the_gpu(ckpt_store: tuple[Path, Path]) -> None:
     _, store = ckpt_store
-    h = load_streamed(_skeleton(store), store, device="cuda", tier="host")
+    h = load_streamed(meta_skeleton(store), store, device="cuda", tier="host")
     h.close()
     h.close()  # idempotent
     assert h.model.model.embed_tokens.weight.is_cuda and h.model.model.layers[0].mlp.up_proj.weight.is_meta
@@ -147,8 +148,8 @@ def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple
     """Gradients to the resident tensors through one-slot streamed layers on the GPU (the weights
     read again for backward, :mod:`gds_offload.weights.backward`), with the GPU slowed as above."""
     ckpt, store = ckpt_store
-    want = _train_step(_resident(ckpt).cuda(), ids)
-    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+    want = _train_step(resident_model(ckpt).cuda(), ids)
+    with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
         hooks = _slow_layers(h)
         got = _train_step(h.model, ids)
         for hook in hooks:
@@ -165,8 +166,8 @@ def test_cuda_gradient_checkpointing_recomputes_with_the_streamed_weights(ckpt_s
     """Hugging Face gradient checkpointing on the GPU: backward's recompute (on the autograd
     device thread) binds each layer again (:mod:`gds_offload.weights.recompute`)."""
     ckpt, store = ckpt_store
-    want = _train_step(_resident(ckpt).cuda(), ids, checkpointing=True)
-    with load_streamed(_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
+    want = _train_step(resident_model(ckpt).cuda(), ids, checkpointing=True)
+    with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
         got = _train_step(h.model, ids, checkpointing=True)
     for g, w in zip(got, want):
         assert torch.equal(g, w)

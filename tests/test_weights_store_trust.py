@@ -23,8 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base  # noqa: E402
-from models import fill, is_root, tmpfs  # noqa: E402
+from helpers.disks import (  # noqa: E402
+    fill,
+    is_root,
+    real_disk_base,  # noqa: E402
+    tmpfs,
+)
 
 import gds_offload.weights as weights_pkg  # noqa: E402
 from gds_offload.cli import main as cli_main  # noqa: E402

@@ -103,7 +103,7 @@ def bench_engines(report: NodeReport, verdict: Verdict) -> tuple[str, ...]:
     return tuple(engines)
 
 
-def _rate(result: Mapping[str, Any], engine: str) -> dict[str, Any]:
+def bandwidth_rate(result: Mapping[str, Any], engine: str) -> dict[str, Any]:
     out: dict[str, Any] = {"engine": str(result.get("engine", engine))}
     for key in ("write_gbps", "read_gbps"):
         value = result.get(key)
@@ -169,19 +169,19 @@ def measure_bandwidth(
             progress.start(f"{engine} @ {path}")
             try:
                 if engine == "raw_o_direct":
-                    rate = _rate(raw(path, size_bytes), engine)
+                    rate = bandwidth_rate(raw(path, size_bytes), engine)
                 else:
-                    rate = _rate(measure(engine, path, size_bytes, tensor_bytes), engine)
+                    rate = bandwidth_rate(measure(engine, path, size_bytes, tensor_bytes), engine)
             except Exception as exc:  # noqa: BLE001 - one engine failing is a finding
                 rate = {"engine": engine, "write_gbps": None, "read_gbps": None,
                         "error": f"{type(exc).__name__}: {exc}"}
                 errors.append(f"{engine} @ {path}: {rate['error']}")
             results[i][engine] = rate
             progress.advance()
-    return results, _bandwidth_check(report, results, errors, skipped, size_bytes)
+    return results, bandwidth_check(report, results, errors, skipped, size_bytes)
 
 
-def _bandwidth_check(report: NodeReport, results: list[dict[str, dict[str, Any]]], errors: list[str],
+def bandwidth_check(report: NodeReport, results: list[dict[str, dict[str, Any]]], errors: list[str],
                      skipped: list[str], size_bytes: int) -> CheckResult:
     parts = []
     for probe, rates in zip(report.paths, results):

@@ -34,6 +34,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from gds_offload.bench.docs.plot import plot_results
 from gds_offload.commands.run_args import add_model_arguments, base_spec, positive_int, resolve_device
 from gds_offload.errors import ConfigError
 
@@ -99,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
     counts = sorted({r.torch_threads for r in rows if r.torch_threads})
     threads = f"torch threads: {'/'.join(map(str, counts))}" if counts and device == "cpu" else ""
     if args.plot:
-        try:
-            from gds_offload.bench.docs.plot import plot_results
-
+        try:  # matplotlib is optional: plot_results imports it
             m = doc["machine"]
             title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
                      f"({m['cpu_usable']} CPUs{', ' + threads if threads else ''}{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from gds_offload.bench.machine import describe
 from gds_offload.commands.run_args import positive_int, resolve_device
 from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
@@ -129,10 +130,8 @@ def run(args: argparse.Namespace) -> int:
         "findings": facts,
     }
     try:
-        from gds_offload.bench.machine import describe
-
         document["machine"] = describe(args.path)
-    except (ImportError, TypeError):
+    except TypeError:
         pass
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2, default=str))

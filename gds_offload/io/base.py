@@ -25,7 +25,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
@@ -58,6 +58,9 @@ class EngineStats:
     #: Host memory the engine holds in idle buffers kept for reuse (now, not a total): read
     #: buffers between their tensor's death and the next read (see :meth:`Engine.trim`).
     idle_buffer_bytes: int = 0
+    #: Bytes copied through the engine's own pageable bounce buffers (posix, a host tensor that
+    #: could not be moved as page spans in place); 0 where every transfer went zero-copy.
+    bounced_bytes: int = 0
 
     def write_gbps(self) -> float:
         return self.bytes_written / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
@@ -209,7 +212,17 @@ class Engine(ABC):
         with self._lock:
             return EngineStats(**asdict(self._stats))
 
+    def warm_up(self, device: torch.device) -> None:
+        """Give every I/O thread what its first transfer of ``device`` memory would set up (side
+        streams, pinned staging buffers), and return once all have. Pinning host memory is an
+        implicit synchronization point of the device, so a measurement that starts after this sees
+        the steady state. Engines with nothing to set up: no-op."""
+
     # -- for subclasses -----------------------------------------------------------------
+    def _count_bounced(self, nbytes: int) -> None:
+        with self._lock:
+            self._stats.bounced_bytes += nbytes
+
     @abstractmethod
     def _submit_write(self, src: torch.Tensor, slot: Slot, ready: Any) -> Future[int]: ...
 
@@ -275,3 +288,16 @@ def io_error(op: Direction, nbytes: int, slot: Slot, exc: BaseException) -> Offl
     err = OffloadError(f"{op} of {nbytes} bytes at {slot.file.describe()} offset {slot.offset} failed: {exc}")
     err.__cause__ = exc
     return err
+
+
+def warm_each_thread(pool: ThreadPoolExecutor, threads: int, setup: Callable[[], Any]) -> None:
+    """Run ``setup`` once on each of ``pool``'s ``threads`` threads (a barrier holds every task
+    until all have started, so no thread takes two) and wait for them."""
+    barrier = threading.Barrier(threads)
+
+    def task() -> None:
+        barrier.wait(timeout=60)
+        setup()
+
+    for future in [pool.submit(task) for _ in range(threads)]:
+        future.result(timeout=120)

@@ -59,15 +59,23 @@ class HostEngine(Engine):
             self._buffers[(slot.file.id, slot.offset)] = buf
             return buf
 
+    def warm_up(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._threads.submit(self._side_stream, device).result(timeout=120)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """This engine thread's side stream on ``device`` (made on first use). It must live on the
+        tensor's device: a copy runs on the current stream of *its* device, and this thread
+        starts on device 0 (wrong for a model on cuda:1)."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             dst.copy_(src)
             return
-        # The side stream must live on the tensor's device: a copy runs on the current stream
-        # of *its* device, and this thread starts on device 0 (wrong for a model on cuda:1).
-        device = dst.device if dst.device.type == "cuda" else src.device
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
+        self._side_stream(dst.device if dst.device.type == "cuda" else src.device)
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)

@@ -56,11 +56,11 @@ import numpy as np
 import torch
 
 from gds_offload.errors import ConfigError, GDSUnavailableError
-from gds_offload.io.base import Direction, io_error
+from gds_offload.io.base import Direction, io_error, warm_each_thread
 from gds_offload.io.cufile_params import compat_fallback
 from gds_offload.io.layout import ALIGN, align_up
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, empty_like_head, own_pages
-from gds_offload.io.staging import SideStreams, StagingPool, copy_in_chunks, copy_out_chunks, on_device, padded
+from gds_offload.io.staging import CudaBackend, SideStreams, StagingPool, copy_in_chunks, copy_out_chunks, on_device, padded
 
 if TYPE_CHECKING:
     from gds_offload.io.layout import File, Slot
@@ -132,6 +132,7 @@ class KvikIOEngine(PageSpanEngine):
             event and for KvikIO's futures, so the caller never blocks (``None``: ``num_threads``).
         limiter: a bandwidth cap shared by reads and writes.
         read_pool_bytes: idle host read buffers kept for reuse (:class:`~gds_offload.io.pages.HostBufferPool`).
+        cuda: the CUDA calls of the device routes (:class:`~gds_offload.io.staging.CudaBackend`; ``None``: torch's).
         read_only: open files for reading only (a weight store may be shared, or on a read-only
             mount); spill files are opened ``r+``.
 
@@ -157,6 +158,7 @@ class KvikIOEngine(PageSpanEngine):
         limiter: TokenBucket | None = None,
         read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES,
         read_only: bool = False,
+        cuda: CudaBackend | None = None,
     ) -> None:
         ok, why = kvikio_status()
         if not ok:
@@ -184,10 +186,11 @@ class KvikIOEngine(PageSpanEngine):
         self._handles_lock = threading.Lock()
         # One issue thread per KvikIO thread: tensors smaller than a task are one KvikIO call
         # each, so fewer issue threads would cap the requests in flight.
-        self._pool = ThreadPoolExecutor(issue_threads or num_threads, thread_name_prefix=f"gds_offload-{mode}")
+        self.issue_threads = issue_threads or num_threads
+        self._pool = ThreadPoolExecutor(self.issue_threads, thread_name_prefix=f"gds_offload-{mode}")
         # Device memory: staging buffers (compat) and side streams (gds), per issue thread.
-        self._staging = StagingPool(align_up(task_bytes, ALIGN))
-        self._streams = SideStreams()
+        self._staging = StagingPool(align_up(task_bytes, ALIGN), cuda)
+        self._streams = SideStreams(cuda)
         self.stream_io = False
         how = "host memory only (no CUDA device)"
         if mode == "gds" and torch.cuda.is_available():
@@ -213,6 +216,10 @@ class KvikIOEngine(PageSpanEngine):
             f"KvikIO {kvikio.__version__} {'cuFile direct (GDS)' if mode == 'gds' else 'compat mode'}: {how}; "
             f"{num_threads} threads, {task_bytes >> 20} MiB tasks"
         )
+
+    def warm_up(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            warm_each_thread(self._pool, self.issue_threads, lambda: (self._staging.get(device), self._streams.get(device)))
 
     def close(self) -> None:
         super().close()

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gds_offload.io.base import Direction, io_error
+from gds_offload.io.base import Direction, io_error, warm_each_thread
 from gds_offload.io.layout import ALIGN, align_up
 from gds_offload.io.pages import DEFAULT_POOL_IDLE_BYTES, PageSpanEngine, map_anonymous
-from gds_offload.io.staging import StagingPool, copy_out_chunks, on_device, padded
+from gds_offload.io.staging import CudaBackend, StagingPool, copy_out_chunks, on_device, padded
 
 if TYPE_CHECKING:
     from gds_offload.io.layout import Slot
@@ -53,6 +53,7 @@ class PosixEngine(PageSpanEngine):
         chunk_bytes: transfers are split into chunks of this size (a multiple of 4 KiB).
         limiter: a bandwidth cap shared by reads and writes.
         read_pool_bytes: idle read buffers kept for reuse (:class:`~gds_offload.io.pages.HostBufferPool`).
+        cuda: the CUDA calls of the device route (:class:`~gds_offload.io.staging.CudaBackend`; ``None``: torch's).
     """
 
     name = "posix"
@@ -64,6 +65,7 @@ class PosixEngine(PageSpanEngine):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         limiter: TokenBucket | None = None,
         read_pool_bytes: int = DEFAULT_POOL_IDLE_BYTES,
+        cuda: CudaBackend | None = None,
     ) -> None:
         super().__init__(limiter=limiter, read_pool_bytes=read_pool_bytes)
         if num_threads < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
@@ -74,7 +76,7 @@ class PosixEngine(PageSpanEngine):
         self._local = threading.local()
         # Device memory: one pinned staging buffer of one chunk per pool thread and device (a
         # pool task moves one chunk; the pool's threads keep several in flight).
-        self._staging = StagingPool(chunk_bytes, count=1)
+        self._staging = StagingPool(chunk_bytes, cuda, count=1)
         self.description = f"posix pwrite/pread, {num_threads} threads, {chunk_bytes >> 20} MiB chunks"
 
     def close(self) -> None:
@@ -157,8 +159,13 @@ class PosixEngine(PageSpanEngine):
             self._pool.submit(run, lo)
         return result
 
-    def _bounce(self) -> tuple[torch.Tensor, memoryview]:
+    def warm_up(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            warm_each_thread(self._pool, self.num_threads, lambda: self._staging.get(device))
+
+    def _bounce(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
         # One aligned buffer per worker thread, reused for every chunk (map_anonymous is page-aligned).
+        self._count_bounced(nbytes)
         local = self._local
         if not hasattr(local, "mm"):
             local.mm = map_anonymous(self.chunk_bytes)
@@ -194,7 +201,7 @@ class PosixEngine(PageSpanEngine):
     def _write_chunk(self, src: torch.Tensor, lo: int, n: int, slot: Slot) -> None:
         f = slot.file
         if f.direct:
-            tensor, view = self._bounce()
+            tensor, view = self._bounce(n)
             tensor[:n].copy_(src[lo : lo + n])
             data = view[: align_up(n)] if f.direct else view[:n]
         else:
@@ -208,7 +215,7 @@ class PosixEngine(PageSpanEngine):
         if last <= first:
             return
         if f.direct:
-            tensor, view = self._bounce()
+            tensor, view = self._bounce(last - first)
             self._pread_all(f.fd, view[: align_up(n) if f.direct else n], slot.offset + lo, need=last - lo)
             dst[first - head : last - head].copy_(tensor[first - lo : last - lo])
         else:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_launchers import clean_env
+from helpers.procs import clean_env
 
 from gds_offload.bench.docs.report import load_sections, render_page
 from gds_offload.bench.train.ranks_runner import RankedResult, combine_ranks
@@ -93,7 +93,7 @@ def test_a_failing_rank_is_named(tmp_path):
 def test_termination_signal_stops_every_rank(tmp_path):
     """SIGTERM to ``bench --nproc 2`` while its ranks train: torchrun and both ranks are stopped and
     reaped, and the command exits 128 + 15 with one line."""
-    from test_commands import _alive, _children, _cmdline
+    from helpers.procs import alive, children, cmdline
 
     # The one-process run fails at once (it is not a rank), so the ranks' run is the one under way.
     pythonpath = _factory(tmp_path, "ranks_only", "'RANK' not in os.environ", "ranks only")
@@ -105,12 +105,12 @@ def test_termination_signal_stops_every_rank(tmp_path):
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
-            ranks = [k for k in _children(proc.pid) if "ranks_runner" in _cmdline(k) and "bench.torchrun" not in _cmdline(k)]
+            ranks = [k for k in children(proc.pid) if "ranks_runner" in cmdline(k) and "bench.torchrun" not in cmdline(k)]
             if len(ranks) == 2:
                 break
             time.sleep(0.2)
         time.sleep(3)  # the ranks train now
-        family = _children(proc.pid)
+        family = children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)
     finally:
@@ -118,9 +118,9 @@ def test_termination_signal_stops_every_rank(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+    while any(alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], "a rank outlived the command"
+    assert not [p for p in family if alive(p)], "a rank outlived the command"
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("stopped by SIGTERM"), err[-2000:]
 
 

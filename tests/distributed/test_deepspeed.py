@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import real_disk_base
+from helpers.disks import real_disk_base
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed; it runs here with DS_ACCELERATOR=cpu)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from test_launchers import clean_env
+from helpers.procs import clean_env
 
 
 def test_demo_on_two_ranks(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import real_disk_base
+from helpers.disks import real_disk_base
 
 from gds_offload.io.kvikio_engine import kvikio_status
 

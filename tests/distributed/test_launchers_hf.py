@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launchers import EXAMPLES, assert_exact, clean_env, free_port, per_rank_dirs
+from helpers.procs import EXAMPLES, assert_exact, clean_env, free_port, per_rank_dirs
 
 
 def test_accelerate_launch_trainer(tmp_path):

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import real_disk_base
-from models import is_root, tmpfs
+from helpers.disks import is_root, real_disk_base, tmpfs
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""Exactness suite: every case run plain and attached, compared bit for bit (see exact_harness).
+"""Exactness suite: every case run plain and attached, compared bit for bit (see :mod:`helpers.exact`).
 
-A package, so that its ``conftest.py`` is imported as ``exactness.conftest`` and does not
-shadow ``tests/conftest.py`` for the ``from conftest import ...`` of the other test modules.
+A package, so that its ``conftest.py`` is imported as ``exactness.conftest`` and not as a
+second top-level ``conftest`` beside ``tests/conftest.py``.
 """

@@ -1,7 +1,7 @@
 """Fixtures of the exactness suite (``engine_modes`` and ``spill_dir`` come from ``tests/conftest.py``).
 
-* ``timing``: ``drive`` / ``natural`` (see :mod:`exact_harness`);
-* ``exact``: :func:`exact_harness.check` bound to the current engine (posix; compat where
+* ``timing``: ``drive`` / ``natural`` (see :mod:`helpers.exact`);
+* ``exact``: :func:`helpers.exact.check` bound to the current engine (posix; compat where
   KvikIO is usable; host), timing and a fresh spill directory, so a test is
   ``exact(build, step)``;
 * every test here runs with one intra-op thread (restored afterwards).
@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.exact import TIMINGS, check
 
 import gds_offload
-
-from .exact_harness import TIMINGS, check
 
 
 @pytest.fixture(autouse=True)

@@ -16,11 +16,10 @@ import threading
 
 import pytest
 import torch
+from helpers.exact import Run, assert_io, assert_records_equal, loss_step, record
 from torch import nn
 
 import gds_offload
-
-from .exact_harness import Run, assert_io, assert_records_equal, loss_step, record
 
 WIDTH = 16
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.exact import Run
 from torch import nn
-
-from .exact_harness import Run
 
 WIDTH = 12
 INPLACE = (RuntimeError, "modified by an inplace operation")

@@ -12,9 +12,8 @@ import os
 
 import pytest
 import torch
+from helpers.exact import loss_step
 from torch import nn
-
-from .exact_harness import loss_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip(

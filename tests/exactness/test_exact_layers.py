@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
+from helpers.exact import Run, loss_step
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from .exact_harness import Run, loss_step
 
 
 class MHA(nn.Module):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.exact import loss_step
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-
-from .exact_harness import loss_step
 
 IN, HID, BATCH, T = 8, 12, 4, 7
 LENGTHS = torch.tensor([7, 3, 5, 1])  # unsorted on purpose (enforce_sorted=False)

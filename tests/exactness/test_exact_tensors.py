@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.exact import loss_step
 from torch import nn
-
-from .exact_harness import loss_step
 
 W = 8
 

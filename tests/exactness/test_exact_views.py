@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.exact import Run, loss_step
 from torch import nn
-
-from .exact_harness import Run, loss_step
 
 WIDTH = 16
 

@@ -42,6 +42,11 @@ def _function_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
+#: Third-party packages a module is heavy with (slow to import, or optional): torch and what builds on it, rich.
+HEAVY = frozenset({"torch", "transformers", "peft", "accelerate", "safetensors", "kvikio", "cupy", "nvidia", "matplotlib",
+                   "deepspeed", "lightning", "numpy", "rich", "xxhash"})
+
+
 def imports_of(path: Path, module: str, *, is_package: bool) -> Iterator[tuple[str, int, bool]]:
     """``(imported name, line, local)`` for each name ``path`` imports (``from a import b`` gives ``a.b``)."""
     tree = ast.parse(path.read_text(), str(path))
@@ -76,11 +81,15 @@ class ImportGraph:
                 parts.pop()
             self.files[".".join(parts)] = path
         self.edges: list[Edge] = []
+        #: Third-party top-level packages each module imports at module level.
+        self.third_party: dict[str, set[str]] = {m: set() for m in self.files}
         for module, path in self.files.items():
             for name, line, local in imports_of(path, module, is_package=path.name == "__init__.py"):
                 target = self.resolve(name)
                 if target is not None and target != module:
                     self.edges.append(Edge(module, target, line, local))
+                elif target is None and not local and not name.startswith(package):
+                    self.third_party[module].add(name.split(".")[0])
 
     def resolve(self, name: str) -> str | None:
         """The package module ``name`` refers to (its longest module prefix), or None when outside the package."""
@@ -91,6 +100,24 @@ class ImportGraph:
                 return candidate
             parts.pop()
         return None
+
+    def heavy_modules(self) -> set[str]:
+        """The modules whose import loads a :data:`HEAVY` package: themselves at module level, or
+        through what they import at module level (a module's parent packages run first)."""
+        deps: dict[str, set[str]] = {m: set() for m in self.files}
+        for e in self.edges:
+            if not e.local:
+                deps[e.source].add(e.target)
+        for m in self.files:
+            parts = m.split(".")
+            deps[m].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in self.files)
+        heavy = {m for m, names in self.third_party.items() if names & HEAVY}
+        changed = True
+        while changed:
+            more = {m for m, ds in deps.items() if m not in heavy and ds & heavy}
+            changed = bool(more)
+            heavy |= more
+        return heavy
 
     def targets(self, source: str) -> set[str]:
         return {e.target for e in self.edges if e.source == source}

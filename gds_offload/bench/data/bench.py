@@ -109,7 +109,7 @@ def time_batches(batches: Iterable[dict[str, torch.Tensor]], *, device: torch.de
     return tokens, time.perf_counter() - t0
 
 
-def _demo_step(shards: ShardSet, device: str, steps: int, timeout_s: float) -> tuple[Any, Any]:
+def demo_step(shards: ShardSet, device: str, steps: int, timeout_s: float) -> tuple[Any, Any]:
     cfg, batch = demo_preset(device)
     vocab = max(cfg.vocab, shards.vocab or 0)
     spec = RunSpec(mode="keep", model="gpt", layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq=shards.seq,
@@ -159,7 +159,7 @@ def run_loader_bench(directory: str | os.PathLike[str], *, batches: Sequence[int
             m.tokens = tokens
             m.seconds.append(seconds)
     say(f"demo step: {demo_steps} steps of the demo model on {device}")
-    spec, demo = _demo_step(shards, device, demo_steps, timeout_s)
+    spec, demo = demo_step(shards, device, demo_steps, timeout_s)
     demo_tps = demo.tokens_per_s if demo.status == "ok" else None
     return _document(shards, rows, spec, demo, demo_tps, rounds=rounds, max_windows=max_windows, device=device,
                      command=command, commit=commit, machine=describe_machine(shards.directory).as_dict(),

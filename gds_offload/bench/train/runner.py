@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from gds_offload.bench.procs import child_command, child_env, run_child
+from gds_offload.bench import procs
+from gds_offload.bench.procs import child_command, child_env
 from gds_offload.bench.train.spec import RunResult, RunSpec
 
 __all__ = ["run_mode"]
@@ -71,7 +72,7 @@ def run_mode(
             on_event(event)
 
     try:
-        run = run_child(cmd, env=env, timeout_s=timeout_s, on_event=progress)
+        run = procs.run_child(cmd, env=env, timeout_s=timeout_s, on_event=progress)
     except OSError as exc:
         return RunResult(spec.mode, "error", f"cannot start {cmd[0]}: {exc}", spec.model, spec.device)
     result = run.last("result")

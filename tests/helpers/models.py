@@ -7,10 +7,8 @@ compares two such results bit for bit (``torch.equal``), never ``allclose``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import gds_offload
-from gds_offload.io.kvikio_engine import kvikio_status
 
 __all__ = [
     "MLP",
@@ -30,21 +27,15 @@ __all__ = [
     "SparseInputNet",
     "ManySmall",
     "Result",
-    "ENGINES",
+    "TanhStack",
     "offload_everything",
     "train_step",
     "assert_same",
     "make",
     "grads_of",
-    "is_root",
-    "tmpfs",
-    "fill",
+    "param_grads",
     "settled",
 ]
-
-#: Storage engines that run on this machine (compat only where KvikIO can do host I/O).
-ENGINES: list[str] = ["posix"] + (["compat"] if kvikio_status()[0] else [])
-
 
 class MLP(nn.Module):
     """``depth`` blocks of Linear + GELU in a ModuleList."""
@@ -178,6 +169,24 @@ class ManySmall(nn.Module):
         return sum((row.clone() * self.w).sum() for row in x.unbind(0))
 
 
+class TanhStack(nn.Module):
+    """Four blocks of Linear(64, 64) + Tanh; the output is the sum of squares (a scalar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).sum()
+
+
+def param_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``model(x)`` (a scalar) with respect to every parameter, without touching ``.grad``."""
+    return torch.autograd.grad(model(x), list(model.parameters()))
+
+
 @dataclass
 class Result:
     """What a step produced: the loss and every parameter's gradient (by name)."""
@@ -236,42 +245,6 @@ def offload_everything(model: nn.Module, path: Path, engine: str = "posix", **kw
     """``attach`` that offloads every saved tensor (no size floor, no layer kept), so that tiny
     test models really exercise the drive."""
     return gds_offload.attach(model, path=path, mode=engine, **({"min_bytes": 0, "keep_last": 0} | kw))
-
-
-def is_root() -> bool:
-    import os
-
-    return os.geteuid() == 0
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str = "8m", *, readonly: bool = False) -> Iterator[Path]:
-    """Mount a small tmpfs at ``path`` (root only) for the duration of the block."""
-    path.mkdir(parents=True, exist_ok=True)
-    opts = f"size={size},mode=0700" + (",ro" if readonly else "")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True, capture_output=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
-
-
-def fill(path: Path, *, leave_bytes: int = 0) -> Path:
-    """Fill the filesystem of ``path`` with one file, leaving about ``leave_bytes`` free."""
-    import os
-
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize - leave_bytes
-    f = path / "filler"
-    with open(f, "wb") as fh:
-        chunk = b"\0" * (1 << 20)
-        while free > 0:
-            try:
-                free -= fh.write(chunk[: min(len(chunk), free)])
-                fh.flush()
-            except OSError:
-                break
-    return f
 
 
 def settled(off: gds_offload.Offloader) -> gds_offload.OffloadStats:

@@ -1,0 +1,47 @@
+"""A tiny Llama checkpoint (4 layers, hidden 64, random weights), its meta skeleton and its resident model.
+
+Import after ``pytest.importorskip("transformers")``: this module imports transformers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+__all__ = ["LAYERS", "VOCAB", "llama_config", "meta_skeleton", "resident_model", "save_checkpoint"]
+
+LAYERS, VOCAB = 4, 256
+
+
+def llama_config(**kw: object) -> transformers.LlamaConfig:
+    """The tiny Llama's config; ``kw`` overrides fields."""
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    return transformers.LlamaConfig(**(base | kw))
+
+
+def save_checkpoint(cfg: transformers.PretrainedConfig, path: Path, **save_kw: object) -> Path:
+    """A model of ``cfg`` with seed-0 weights, saved (safetensors) at ``path``."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, **save_kw)
+    return path
+
+
+def meta_skeleton(path: Path, *, empty_weights: bool = False) -> torch.nn.Module:
+    """The model of the config at ``path`` on the meta device (or Accelerate's ``init_empty_weights``), in eval mode."""
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    if empty_weights:
+        import accelerate  # only the test that asks for it needs Accelerate
+
+        with accelerate.init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    else:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.eval()
+
+
+def resident_model(path: Path) -> torch.nn.Module:
+    """The checkpoint at ``path`` loaded as transformers loads it, in eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
