@@ -20,8 +20,7 @@ from helpers.schema import schema_violations
 
 import gds_offload.bench
 from gds_offload.check.cli import main as check_main
-from gds_offload.node import probes
-from gds_offload.node import reader as _common
+from gds_offload.node import probes, reader
 from gds_offload.node.probes import (
     BlockDevice,
     ContainerProbe,
@@ -532,7 +531,7 @@ def test_unreadable_files_are_reported_as_needing_root(needs_o_direct, tmp_path,
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(_common, "open", guarded, raising=False)  # the module whose Reader opens files
+    monkeypatch.setattr(reader, "open", guarded, raising=False)  # the module whose Reader opens files
     report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
     assert report.unreadable == (str(root / "proc/driver/nvidia-fs/stats"),)
     check = [c for c in decide(report).checks if c.name == "nvidia-fs"][0]

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 from dataclasses import replace
 
+from gds_offload.bench.procs import reap, spawn
 from gds_offload.bench.train.torchrun import torchrun_command
 from gds_offload.commands.run_args import add_model_arguments, base_spec, resolve_device
 from gds_offload.errors import ConfigError
@@ -122,6 +122,11 @@ def _launch_ranks(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"gds-offload demo: {exc}", file=sys.stderr)
         return 2
-    cmd = torchrun_command(args.nproc, "gds_offload.bench.train.demo_ranks", ["--spec", spec.to_json()])
+    # torchrun tied to this process (its ranks die with it), started and reaped as every benchmark child is.
+    cmd = torchrun_command(args.nproc, "gds_offload.bench.train.demo_ranks", ["--spec", spec.to_json()], owned=True)
     print(f"gds-offload demo: {shlex.join(cmd)}", flush=True)
-    return subprocess.call(cmd)
+    proc = spawn(cmd)  # the ranks print to this process's stdout and stderr
+    try:
+        return proc.wait()
+    finally:
+        reap(proc)  # a no-op once it has exited; on a stop signal it stops torchrun and its ranks first

@@ -31,13 +31,7 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    """The names of :data:`__all__`, imported from their module on first use."""
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'gds_offload.io' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -18,6 +18,7 @@ from typing import Literal, Mapping
 from gds_offload.node.collect import NodeReport
 from gds_offload.node.paths import PathProbe
 from gds_offload.node.topology import best_affinities
+from gds_offload.units import format_bytes
 
 __all__ = [
     "Status",
@@ -83,13 +84,7 @@ _COMPAT_STILL_WORKS = "offloading still works through the compat path"
 
 
 def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    return "unknown" if n is None else format_bytes(n)
 
 
 def _flag(value: object) -> bool | None:

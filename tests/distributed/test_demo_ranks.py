@@ -16,7 +16,7 @@ def test_demo_on_two_ranks(tmp_path):
                           capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "torch.distributed.run --nproc-per-node 2" in out and "demo summary, all 2 ranks" in out
+    assert "gds_offload.bench.train.torchrun --nproc-per-node 2" in out and "demo summary, all 2 ranks" in out
     row = next(line for line in out.splitlines() if "bit-identical on every rank" in line)
     assert "yes" in row, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["rank0", "rank1"]

@@ -14,45 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables, the repository importable, one thread per process."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env | extra
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def per_rank_dirs(tmp_path: Path) -> str:
-    for r in (0, 1):
-        (tmp_path / f"nvme{r}").mkdir(mode=0o700)
-    return str(tmp_path / "nvme{local_rank}")
-
-
-def assert_exact(proc: subprocess.CompletedProcess) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "bit-identical to the run without the offloader on every rank: yes" in out, out[-4000:]
-    return out
+from helpers.procs import EXAMPLES, REPO, assert_exact, clean_env, free_port, per_rank_dirs
 
 
 def test_torchrun_example(tmp_path):

@@ -26,6 +26,15 @@ from gds_offload.units import format_bytes
 __all__ = ["AdaptivePlanner", "AllPlanner", "BudgetPlanner", "make_planner"]
 
 
+class _Planner:
+    """What every planner has: its policy's name, its prefetch depth, and whether it reads step times."""
+
+    name = ""
+    prefetch_units = 1
+    #: Whether ``observe`` uses the profile's times (reading CUDA events synchronises the device).
+    needs_timing = True
+
+
 def make_planner(config: PolicyConfig) -> Policy:
     """A new planner for ``config``, with state of its own."""
     if isinstance(config, Budget):
@@ -35,13 +44,11 @@ def make_planner(config: PolicyConfig) -> Policy:
     return AllPlanner(config)
 
 
-class AllPlanner:
-    """:class:`~gds_offload.activations.planning.policy.OffloadAll` at run time."""
+class AllPlanner(_Planner):
+    """:class:`~gds_offload.activations.planning.policy.OffloadAll` at run time. Plans by bytes
+    only: the scheduler need not read CUDA event times."""
 
-    name = "all"
-    prefetch_units = 1
-    #: Plans by bytes only: the scheduler need not read CUDA event times.
-    needs_timing = False
+    name, needs_timing = "all", False
 
     def __init__(self, config: OffloadAll) -> None:
         self.keep_last = config.keep_last
@@ -123,11 +130,10 @@ def _drift(old: StepProfile, new: StepProfile, tol: float = 0.10) -> str:
     return ""
 
 
-class AdaptivePlanner:
+class AdaptivePlanner(_Planner):
     """:class:`~gds_offload.activations.planning.policy.Adaptive` at run time (its doc says how it plans)."""
 
     name = "adaptive"
-    needs_timing = True
 
     def __init__(self, config: Adaptive) -> None:
         self.config = config
@@ -235,12 +241,10 @@ class AdaptivePlanner:
         return self._plan
 
 
-class BudgetPlanner:
+class BudgetPlanner(_Planner):
     """:class:`~gds_offload.activations.planning.policy.Budget` at run time (its doc says how it plans)."""
 
     name = "budget"
-    prefetch_units = 1
-    needs_timing = True
 
     def __init__(self, config: Budget) -> None:
         self._limit = config.limit_bytes

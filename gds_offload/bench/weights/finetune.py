@@ -5,7 +5,7 @@ the drive or host memory, and under Accelerate's disk offload, each mode in its 
 The parent prepares the same checkpoint and store as ``bench-weights``
 (:func:`~gds_offload.bench.weights.bench.prepare`), drops their page cache before each child, runs
 the modes in :data:`~gds_offload.bench.weights.bench.CAPPED` under the memory cap
-(:func:`~gds_offload.bench.cgroup.run_capped`), and compares every mode's losses and
+(:func:`~gds_offload.bench.procs.run_child`), and compares every mode's losses and
 trained adapters with the resident mode's, bit for bit. A streamed step reads every
 streamed layer twice: once for the forward, once more for backward (the weights autograd
 saved, :mod:`gds_offload.weights.backward`), so a larger batch hides the reads behind more compute.
