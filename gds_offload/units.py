@@ -83,8 +83,10 @@ def parse_bandwidth(value: int | float | str, *, name: str = "max_bandwidth") ->
     return float(rate)
 
 
-def format_bytes(nbytes: float) -> str:
-    """``1536 -> '1.5 KiB'``: binary units, three significant digits."""
+def format_bytes(nbytes: float | None, *, missing: str = "-") -> str:
+    """``1536 -> '1.5 KiB'``: binary units, three significant digits; ``None`` (not measured) -> ``missing``."""
+    if nbytes is None:
+        return missing
     step = 1024.0
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < step or unit == "TiB":

@@ -74,3 +74,10 @@ def test_format_bytes() -> None:
     assert format_bytes(40 << 30) == "40 GiB"
     assert format_bytes(3 << 40) == "3 TiB"
     assert parse_bytes(format_bytes(64 << 20).replace(" ", "")) == 64 << 20
+
+
+def test_format_bytes_of_a_figure_not_measured() -> None:
+    """The one byte formatter serves tables too: a figure not measured (``None``) shows as ``missing``."""
+    assert format_bytes(None) == "-"
+    assert format_bytes(None, missing="unknown") == "unknown"
+    assert format_bytes(0, missing="unknown") == "0 B"

@@ -83,9 +83,6 @@ class Finding:
 _COMPAT_STILL_WORKS = "offloading still works through the compat path"
 
 
-def _fmt_bytes(n: float | None) -> str:
-    return "unknown" if n is None else format_bytes(n)
-
 
 def _flag(value: object) -> bool | None:
     """A cufile.json / environment truth value as bool, None when not one."""
@@ -122,7 +119,7 @@ def _gpu_finding(report: NodeReport) -> Finding:
     gpu = report.gpu
     versions = f"CUDA runtime {gpu.cuda_runtime or 'none'}, driver {gpu.cuda_driver or 'unknown'}"
     if gpu.available:
-        names = "; ".join(f"GPU{g.index} {g.name} {_fmt_bytes(g.total_memory_bytes)}"
+        names = "; ".join(f"GPU{g.index} {g.name} {format_bytes(g.total_memory_bytes, missing='unknown')}"
                           + (f" @ {g.pci_bus_id}" if g.pci_bus_id else "") for g in gpu.gpus)
         return Finding(CheckResult("gpu", "ok", f"{names} (torch {gpu.torch_version}, {versions})"))
     visible = report.env.get("CUDA_VISIBLE_DEVICES")
@@ -317,7 +314,7 @@ def path_findings(report: NodeReport, path: PathProbe) -> list[Finding]:
 def _space_finding(path: PathProbe, fix_path: str) -> Finding:
     if path.free_bytes is None:
         return Finding(CheckResult("free-space", "skip", path.error or "statvfs failed"))
-    detail = f"{_fmt_bytes(path.free_bytes)} free of {_fmt_bytes(path.total_bytes)}"
+    detail = f"{format_bytes(path.free_bytes, missing='unknown')} free of {format_bytes(path.total_bytes, missing='unknown')}"
     if path.free_bytes < MIN_FREE_BYTES:
         reason = f"{path.path} has no free space ({detail})"
         return Finding(CheckResult("free-space", "fail", reason, "free space or " + fix_path), "usable", reason,

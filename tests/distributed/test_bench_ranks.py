@@ -105,7 +105,7 @@ def test_termination_signal_stops_every_rank(tmp_path):
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
-            ranks = [k for k in children(proc.pid) if "ranks_runner" in cmdline(k) and "bench.torchrun" not in cmdline(k)]
+            ranks = [k for k in children(proc.pid) if "ranks_runner" in cmdline(k) and "bench.train.torchrun" not in cmdline(k)]
             if len(ranks) == 2:
                 break
             time.sleep(0.2)

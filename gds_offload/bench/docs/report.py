@@ -147,9 +147,6 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _bytes(n: float | None) -> str:
-    return "-" if n is None else format_bytes(n)
-
 
 def _pooled(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """(median step time, median peak activation memory) of one mode's runs, rounds pooled."""
@@ -182,16 +179,16 @@ def _bench_table(doc: dict[str, Any]) -> list[str]:
         median, peak = _pooled(runs)
         off = r.get("offload") or {}
         n = max(1, off.get("steps") or len(r["step_s"]))
-        parts = "-" if not off else " / ".join(_bytes(off.get(k)) for k in ("peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"))
+        parts = "-" if not off else " / ".join(format_bytes(off.get(k)) for k in ("peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"))
         out.append("| " + " | ".join([
             mode,
             f"{median:.3f} s" if median else "-",
             _ratio(s.get("step_ratio")),
             *([_ratio(s.get("paired_ratio"))] if paired else []),
-            _bytes(peak),
+            format_bytes(peak),
             _ratio(s.get("memory_ratio")),
-            _bytes(off["bytes_offloaded"] / n) if off else "-",
-            _bytes(off["bytes_deduplicated"] / n) if off else "-",
+            format_bytes(off["bytes_offloaded"] / n) if off else "-",
+            format_bytes(off["bytes_deduplicated"] / n) if off else "-",
             parts,
             f"{off['io_wait_s'] / n:.3f} s" if off else "-",
             _verdict(s),
@@ -233,8 +230,8 @@ def ranks_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _ratio(scaling.get(mode, {}).get("n_over_1")) if nproc == n else "",
                 *([_ratio(s.get("paired_ratio")), _ratio(scaling.get(mode, {}).get("paired_n_over_1")) if nproc == n else ""]
                   if paired else []),
-                _bytes(peak),
-                _bytes(off["bytes_offloaded"] / steps) if off else "-",
+                format_bytes(peak),
+                format_bytes(off["bytes_offloaded"] / steps) if off else "-",
                 f"{off['io_wait_s'] / steps:.3f} s" if off else "-",
                 _verdict(s),
             ])

@@ -27,9 +27,6 @@ __all__ = ["LineView", "LiveView", "io_hidden_fraction", "make_view", "render_su
 _HISTORY = 12
 
 
-def _gb(nbytes: float | None) -> str:
-    return "-" if nbytes is None else format_bytes(nbytes)
-
 
 def _engine_line(setup: dict[str, Any]) -> str:
     """What a run's ``setup`` event says of its engine."""
@@ -81,9 +78,9 @@ class LiveView:
                 ev["phase"],
                 f"{ev['loss']:.6f}",
                 f"{ev['step_s']:.2f} s",
-                _gb(ev.get("rss_bytes")),
-                _gb(o.get("resident_bytes")) if o else "-",
-                _gb(o.get("peak_resident_bytes")) if o else "-",
+                format_bytes(ev.get("rss_bytes")),
+                format_bytes(o.get("resident_bytes")) if o else "-",
+                format_bytes(o.get("peak_resident_bytes")) if o else "-",
                 f"{o['write_gbps']:.2f}" if o else "-",
                 f"{o['read_gbps']:.2f}" if o else "-",
             )
@@ -121,13 +118,13 @@ def render_summary(keep: Any, off: Any, agree: bool | None) -> Any:
     table.add_row("input wait per step (median)", *(f"{w:.4f} s" if w is not None else "-" for w in waits), "")
     k_mem = keep.peak_activation_bytes if k_ok else None
     o_mem = off.peak_activation_bytes if o_ok else None
-    table.add_row("peak activation memory (measured)", _gb(k_mem), _gb(o_mem), ratio(o_mem, k_mem))
+    table.add_row("peak activation memory (measured)", format_bytes(k_mem), format_bytes(o_mem), ratio(o_mem, k_mem))
     stats = (off.offload or {}) if o_ok else {}
     steps = max(1, stats.get("steps", 0))
     if stats:
-        table.add_row("offloader peak resident", "", _gb(stats["peak_resident_bytes"]), "")
+        table.add_row("offloader peak resident", "", format_bytes(stats["peak_resident_bytes"]), "")
         for name in ("bytes_packed", "bytes_offloaded", "bytes_deduplicated", "bytes_forwarded", "bytes_read", "bytes_kept"):
-            table.add_row(f"{name.removeprefix('bytes_')} per step", "", _gb(stats[name] / steps), "")
+            table.add_row(f"{name.removeprefix('bytes_')} per step", "", format_bytes(stats[name] / steps), "")
         hidden = io_hidden_fraction(stats)
         table.add_row("I/O wait per step", "", f"{stats['io_wait_s'] / steps:.3f} s", "")
         table.add_row("I/O hidden behind compute", "", "-" if hidden is None else f"{hidden:.0%}", "")
@@ -157,9 +154,9 @@ class LineView:
         elif ev.get("event") == "step":
             o = ev.get("offload") or {}
             line = (f"{self.label}: step {ev['step'] + 1} ({ev['phase']}) loss {ev['loss']:.6f}, {ev['step_s']:.2f} s, "
-                    f"RSS {_gb(ev.get('rss_bytes'))}")
+                    f"RSS {format_bytes(ev.get('rss_bytes'))}")
             if o:
-                line += (f", resident {_gb(o.get('resident_bytes'))} (peak {_gb(o.get('peak_resident_bytes'))}), "
+                line += (f", resident {format_bytes(o.get('resident_bytes'))} (peak {format_bytes(o.get('peak_resident_bytes'))}), "
                          f"write {o['write_gbps']:.2f} GB/s, read {o['read_gbps']:.2f} GB/s")
         else:
             return

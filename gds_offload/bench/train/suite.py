@@ -141,9 +141,6 @@ def combine_rounds(results: list[Any]) -> list[Any]:
     return out
 
 
-def _fmt_bytes(n: float | None) -> str:
-    return "-" if n is None else format_bytes(n)
-
 
 def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> None:
     """The results as a rich table, then one line per mode that did not run."""
@@ -172,11 +169,11 @@ def render_table(results: list[Any], summary: dict[str, Any], *, title: str) -> 
             f"{r.median_step_s:.3f} s",
             f"{s['step_ratio']:.2f}" if s.get("step_ratio") is not None else "-",
             *([f"{s['paired_ratio']:.2f}" if "paired_ratio" in s else "-"] if paired else []),
-            _fmt_bytes(r.peak_activation_bytes),
+            format_bytes(r.peak_activation_bytes),
             f"{s['memory_ratio']:.2f}" if s.get("memory_ratio") is not None else "-",
             f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
-            _fmt_bytes(off["bytes_offloaded"] / steps) if off else "-",
-            _fmt_bytes(off["bytes_deduplicated"] / steps) if off else "-",
+            format_bytes(off["bytes_offloaded"] / steps) if off else "-",
+            format_bytes(off["bytes_deduplicated"] / steps) if off else "-",
             f"{off['io_wait_s'] / steps:.3f} s" if off else "-",
             "-" if agree is None else "[green]yes[/]" if agree else "[red]NO[/]",
         )
