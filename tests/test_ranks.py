@@ -23,7 +23,7 @@ from gds_offload.activations.spill.ranks import (
     node_placements,
     nvme_candidates,
     per_rank,
-    placement,
+    place_rank,
     rank_env,
     rank_path,
 )
@@ -57,34 +57,34 @@ def test_rank_env_from_each_launcher():
 
 
 def test_templates_fill_from_the_launcher_and_name_the_missing_variable():
-    assert placement("/mnt/nvme{local_rank}/spill", rank_env(TORCHRUN)).paths == (Path("/mnt/nvme1/spill"),)
-    p = placement(["/mnt/a/{rank}", "/mnt/b/{rank}"], rank_env(SLURM))
+    assert place_rank("/mnt/nvme{local_rank}/spill", rank_env(TORCHRUN)).paths == (Path("/mnt/nvme1/spill"),)
+    p = place_rank(["/mnt/a/{rank}", "/mnt/b/{rank}"], rank_env(SLURM))
     assert p.paths == (Path("/mnt/a/5"), Path("/mnt/b/5")) and p.how == "template"
-    assert placement("/mnt/{{literal}}/{rank}", rank_env(TORCHRUN)).paths == (Path("/mnt/{literal}/3"),)
+    assert place_rank("/mnt/{{literal}}/{rank}", rank_env(TORCHRUN)).paths == (Path("/mnt/{literal}/3"),)
     with pytest.raises(ConfigError, match=r"neither LOCAL_RANK \(torchrun\) nor SLURM_LOCALID \(srun\) is set"):
-        placement("/mnt/nvme{local_rank}/spill", rank_env({}))
+        place_rank("/mnt/nvme{local_rank}/spill", rank_env({}))
     with pytest.raises(ConfigError, match="slurm set no SLURM_LOCALID"):
-        placement("/mnt/nvme{local_rank}", rank_env({"SLURM_PROCID": "0"}))
+        place_rank("/mnt/nvme{local_rank}", rank_env({"SLURM_PROCID": "0"}))
     with pytest.raises(ConfigError, match=r"did you mean \{local_rank\}"):
-        placement("/mnt/nvme{localrank}", rank_env(TORCHRUN))
+        place_rank("/mnt/nvme{localrank}", rank_env(TORCHRUN))
     with pytest.raises(ConfigError, match="not a valid template"):
-        placement("/mnt/nvme{", rank_env(TORCHRUN))
+        place_rank("/mnt/nvme{", rank_env(TORCHRUN))
     # no field: as given, unchanged (attach keeps its own handling)
-    plain = placement(["/mnt/a", "/mnt/b"], rank_env(TORCHRUN))
+    plain = place_rank(["/mnt/a", "/mnt/b"], rank_env(TORCHRUN))
     assert not plain.changed and plain.paths == (Path("/mnt/a"), Path("/mnt/b"))
 
 
 def test_per_rank_list_and_dict():
     env = rank_env(TORCHRUN)  # local rank 1
-    assert placement(per_rank(["/a", "/b"]), env).paths == (Path("/b"),)
-    assert placement(per_rank({"0": "/a", 1: ["/b", "/c"]}), env).paths == (Path("/b"), Path("/c"))  # a stripe of its own
-    assert placement(per_rank({1: "/n{rank}"}), env).paths == (Path("/n3"),)
+    assert place_rank(per_rank(["/a", "/b"]), env).paths == (Path("/b"),)
+    assert place_rank(per_rank({"0": "/a", 1: ["/b", "/c"]}), env).paths == (Path("/b"), Path("/c"))  # a stripe of its own
+    assert place_rank(per_rank({1: "/n{rank}"}), env).paths == (Path("/n3"),)
     with pytest.raises(ConfigError, match="entries for local ranks 0, but this process is local rank 1"):
-        placement(per_rank(["/a"]), env)
+        place_rank(per_rank(["/a"]), env)
     with pytest.raises(ConfigError, match="this process has none"):
-        placement(per_rank(["/a"]), rank_env({}))
+        place_rank(per_rank(["/a"]), rank_env({}))
     with pytest.raises(ConfigError, match=r"is a dict; .*gds_offload.per_rank"):
-        placement({0: "/a", 1: "/b"}, env)
+        place_rank({0: "/a", 1: "/b"}, env)
     for bad, msg in ([[], "no entries"], ["/a", "one directory"], [{"x": "/a"}, "not a local rank"],
                      [{-1: "/a"}, "not a local rank"], [[[]], "non-empty list"], [[3], "must be a directory"]):
         with pytest.raises(ConfigError, match=msg):

@@ -87,14 +87,14 @@ def test_streamed_drive_runs_under_a_memory_cgroup() -> None:
         pytest.skip(f"needs root and the cgroup v1 memory controller: {why}")
     from dataclasses import replace
 
-    from gds_offload.bench.weights.bench import TINY, BenchSpec, prepare, run_mode
+    from gds_offload.bench.weights.bench import TINY, BenchSpec, prepare, run_inference_mode
 
     work = real_disk_base() / f"gds_offload-bench-weights-cap-{os.getpid()}"
     try:
         ckpt, store = prepare(TINY, work)
         spec = BenchSpec("resident", str(ckpt), str(store), str(work), batch_sizes=(2,), repeats=1, paired_raw=0)
-        (ref,) = run_mode(spec)
-        (got,) = run_mode(replace(spec, mode="drive"), memory_limit=1 << 30)
+        (ref,) = run_inference_mode(spec)
+        (got,) = run_inference_mode(replace(spec, mode="drive"), memory_limit=1 << 30)
     finally:
         import shutil
 

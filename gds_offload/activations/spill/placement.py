@@ -1,6 +1,6 @@
 """Where one rank spills (:class:`Placement`), and node NVMe auto-placement (``path="auto"``).
 
-:func:`~gds_offload.activations.spill.ranks.placement` turns every form of ``attach(path=...)`` into a
+:func:`~gds_offload.activations.spill.ranks.place_rank` turns every form of ``attach(path=...)`` into a
 :class:`Placement`. For ``"auto"`` it probes the node once (:func:`probe_node`: the GPUs'
 PCIe positions, and one candidate directory per writable NVMe ext4/xfs drive from
 ``/proc/mounts`` and ``/sys``, :func:`nvme_candidates`) and asks :func:`auto_placement`

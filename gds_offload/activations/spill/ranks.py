@@ -38,7 +38,7 @@ Directories this module chooses (the default, ``"auto"``) are created 0700 when
 missing; directories the caller names (templates, ``per_rank``) must exist, as for
 any explicit ``path``. Nothing here imports torch at module import.
 
-Every form of ``path`` in the table resolves in :func:`placement`, here: each answer is a
+Every form of ``path`` in the table resolves in :func:`place_rank`, here: each answer is a
 :class:`~gds_offload.activations.spill.placement.Placement` under the same per-rank directory and creation
 rules, and the table above stays next to the code that implements it. What ``"auto"``
 needs beyond that (probing the node's GPUs and NVMe drives, ranking the drives by PCIe
@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from gds_offload.activations.spill.placement import AutoNode, Placement, auto_placement, model_gpu, probe_node
-from gds_offload.activations.spill.placement import nvme_candidates as nvme_candidates  # re-exported: callers of placement() find it here
+from gds_offload.activations.spill.placement import nvme_candidates as nvme_candidates  # re-exported: callers of place_rank() find it here
 from gds_offload.errors import ConfigError
 from gds_offload.io.directory import default_spill_dir, prepare_dir
 
@@ -67,7 +67,7 @@ __all__ = [
     "per_rank",
     "rank_env",
     "rank_path",
-    "placement",
+    "place_rank",
     "node_placements",
     "auto_placement",
     "AUTO",
@@ -322,7 +322,7 @@ def fill_template(text: str, env: RankEnv) -> str:
 # --------------------------------------------------------------------------------------
 # path= resolved: for this rank, or for every rank of a node
 # --------------------------------------------------------------------------------------
-def placement(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, node: AutoNode | None = None) -> Placement:
+def place_rank(path: Any, env: RankEnv | None = None, *, gpu: int | None = None, node: AutoNode | None = None) -> Placement:
     """Where this process (or the one ``env`` describes) spills, for ``attach(path=path)``.
 
     Args:
@@ -389,10 +389,10 @@ def rank_path(
         env: the environment (``os.environ`` when None).
 
     Raises:
-        ConfigError: see :func:`placement`; also a directory that cannot be created.
+        ConfigError: see :func:`place_rank`; also a directory that cannot be created.
     """
     renv = rank_env(env)
-    chosen = placement(path, renv, gpu=model_gpu(model) if isinstance(path, str) and path == AUTO else None)
+    chosen = place_rank(path, renv, gpu=model_gpu(model) if isinstance(path, str) and path == AUTO else None)
     if not chosen.changed:
         return path
     for d in chosen.create:  # the private base (0700) first, so no rank directory is made under a 0755 parent
@@ -405,7 +405,7 @@ def node_placements(path: Any, local_world_size: int, env: Mapping[str, str] | N
     processes here would get it (``gds-check --ranks``). Nothing is created.
 
     Args:
-        path: as for :func:`placement`.
+        path: as for :func:`place_rank`.
         local_world_size: processes on this node.
         env: the environment to start from (``os.environ`` when None); ``GROUP_RANK`` or
             ``SLURM_NODEID`` gives the node's position, ``WORLD_SIZE``/``SLURM_NTASKS`` the job size.
@@ -418,5 +418,5 @@ def node_placements(path: Any, local_world_size: int, env: Mapping[str, str] | N
     out = []
     for local in range(local_world_size):
         renv = RankEnv("torchrun", node_rank * local_world_size + local, local, world, local_world_size)
-        out.append(placement(path, renv, node=node))
+        out.append(place_rank(path, renv, node=node))
     return out

@@ -55,7 +55,7 @@ from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.manifest import config_fingerprint, read_manifest
 
 __all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "child_rows", "serve_rows", "prepare", "remove_offload_folders", "run_bench",
-           "run_mode", "run_rounds", "summarize", "weight_files"]
+           "run_inference_mode", "run_rounds", "summarize", "weight_files"]
 
 MODES = ("resident", "drive", "host", "accelerate-disk")
 #: Modes run under ``memory_limit``; the others hold every weight in memory by design.
@@ -267,7 +267,7 @@ def serve_rows(argv: list[str] | None, module: str, spec_type: Callable[..., Any
     return 0
 
 
-def run_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
+def run_inference_mode(spec: BenchSpec, *, memory_limit: int | None = None, timeout_s: float = 3600) -> list[ModeResult]:
     """Run one mode in a child process (under a memory cap if given) after dropping the weights'
     page cache; errors become ``status="error"`` rows."""
 
@@ -321,7 +321,7 @@ def run_bench(
     say(f"raw O_DIRECT reads of {data}")
     raw = [dict(r.as_dict(), when="before") for r in raw_read_bandwidth(data, depths=raw_depths)]
     rows = run_rounds(modes, rounds, memory_limit=memory_limit, workdir=Path(base.workdir), say=say,
-                      run=lambda mode, limit: run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
+                      run=lambda mode, limit: run_inference_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
     best = max(raw, key=lambda r: r["bytes_per_s"])["depth"]
     say("raw O_DIRECT reads again")
     raw += [dict(r.as_dict(), when="after") for r in raw_read_bandwidth(data, depths=(best,))]

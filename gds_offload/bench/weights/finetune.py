@@ -61,7 +61,7 @@ class StepResult(ChildResult):
     adapters_xxh3: str | None = None
 
 
-def run_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float = 3600) -> list[StepResult]:
+def run_finetune_mode(spec: FinetuneSpec, *, memory_limit: int | None, timeout_s: float = 3600) -> list[StepResult]:
     """Run one mode in a child (under the cap if given) after dropping the weights' page cache."""
 
     evict(weight_files(Path(spec.checkpoint), Path(spec.store)))
@@ -87,7 +87,7 @@ def run_finetune_bench(base: FinetuneSpec, modes: list[str], *, model: BenchMode
     say("preparing the checkpoint and the store")
     ckpt, store = prepare(model, Path(base.workdir), checkpoint)
     rows = run_rounds(modes, rounds, memory_limit=memory_limit, workdir=Path(base.workdir), say=say,
-                      run=lambda mode, limit: run_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
+                      run=lambda mode, limit: run_finetune_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
     ref = {(r.round, r.batch): r for r in rows if r.mode == "resident" and r.status == "ok"}
     for r in rows:
         want = ref.get((r.round, r.batch))
