@@ -338,14 +338,19 @@ def test_a_model_that_cannot_fit_is_refused_with_the_estimate(command: str, tmp_
 
 def test_memory_estimate_matches_a_measured_keep_run() -> None:
     """The estimate the refusal relies on is within a factor of 1.5 of a peak measured in a child
-    process (as bench measures it: VmHWM with MALLOC_MMAP_THRESHOLD_ set)."""
+    process (as bench measures it: VmHWM with MALLOC_MMAP_THRESHOLD_ set).
+
+    The measured peak also holds the first step's one-time allocations (torch's kernels and
+    thread pools: 16 to 30 MB here, whatever the batch), which the estimate counts in
+    ``PROCESS_BYTES``; at batch 32 the activations are about 200 MB, so that constant cannot
+    decide the comparison (at batch 8 it was a third of the figure)."""
     from gds_offload.bench.train.runner import run_mode
     from gds_offload.bench.train.spec import RunSpec
     from gds_offload.models.gpt import GPTConfig, estimate_memory
 
-    spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=8, steps=2, warmup=1)
+    spec = RunSpec("keep", layers=3, hidden=128, heads=2, seq=128, vocab=2048, batch=32, steps=2, warmup=1)
     measured = run_mode(spec, timeout_s=300).peak_activation_bytes
-    est = estimate_memory(GPTConfig(3, 128, 2, 128, 2048), 8).activation_bytes
+    est = estimate_memory(GPTConfig(3, 128, 2, 128, 2048), 32).activation_bytes
     assert measured is not None and est / 1.5 < measured < est * 1.5, (measured, est)
 
 
