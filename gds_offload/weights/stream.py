@@ -61,6 +61,7 @@ import functools
 import os
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,12 @@ from torch import nn
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
+from gds_offload.io.select import choose_engine, make_engine
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
+from gds_offload.weights.generation import ManyOutput, generate_many
 from gds_offload.weights.interrupts import deliver, held
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
@@ -82,6 +85,7 @@ from gds_offload.weights.options import StreamOptions, Tier
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import Ring, make_read_engine, make_ring
+from gds_offload.weights.schedule import Team
 from gds_offload.weights.storefile import StoreFiles, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
@@ -186,6 +190,8 @@ class StreamedModel:
         self._layer_turn = False  # the current layer took the turn itself (called outside a pass)
         self._recompute = Recompute(self._bind_for_recompute, self._release_after_recompute)
         self._pass: PassForward | None = None
+        self._team: Team[Any] | None = None  # the layer-major team running, if any
+        self._kv_engine: Engine | None = None
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
@@ -243,6 +249,24 @@ class StreamedModel:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``self.model.generate(...)`` (Hugging Face models)."""
         return self.model.generate(*args, **kwargs)  # type: ignore[operator]
+
+    def generate_many(self, prompts: Any, **kwargs: Any) -> ManyOutput:
+        """Generation over many prompts, several micro-batches per weight load:
+        :func:`gds_offload.weights.generation.generate_many` (its arguments and reference)."""
+        return generate_many(self, prompts, **kwargs)
+
+    def kv_engine(self) -> Engine:
+        """The engine that moves KV caches to and from the drive (made at first use, closed with the model)."""
+        if self._kv_engine is None:
+            mode = "posix" if self.device.type == "cpu" else choose_engine("auto", self._dirs[0], device="cuda").engine
+            self._kv_engine = make_engine(mode)
+            self._res.insert(1, self._kv_engine)  # closed after the ring, before the files
+        return self._kv_engine
+
+    def note_kv(self, bytes_read: int, bytes_written: int) -> None:
+        """Count KV-cache traffic (by :func:`~gds_offload.weights.generation.generate_many`)."""
+        self._stats.kv_bytes_read += bytes_read
+        self._stats.kv_bytes_written += bytes_written
 
     def stats(self) -> StreamStats:
         """A copy of the counters."""
@@ -346,6 +370,11 @@ class StreamedModel:
             deliver()
             if self._closed:
                 raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
+            team = self._team
+            if team is not None and team.member():
+                team.arrive()  # the next micro-batch runs; this one resumes on its turn
+                self._bind_shared(pos, module)
+                return
             if not self._turn.owned():  # a layer called on its own, or a recompute on backward's thread
                 self._turn.enter(wait=recompute)
                 self._layer_turn = True
@@ -386,6 +415,45 @@ class StreamedModel:
         if torch.is_grad_enabled():
             self._saved.enter(pos, fill.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
 
+    def _bind_shared(self, pos: int, module: nn.Module) -> None:
+        """A team member's pre-hook, on its turn: layer ``pos`` is bound once per round, by the
+        first member to reach it, and stays bound until the round of the next layer begins."""
+        assert self._prefetch is not None, "a streamed layer without a ring"
+        if torch.is_grad_enabled():
+            raise ConfigError("layer-major micro-batches run without grad here (inference); run them under torch.no_grad()")
+        current = self._prefetch.current
+        if current is not None and current[0] == pos:
+            return  # an earlier member of this round bound it: the same weights, no read
+        if current is not None:
+            self._release()  # the previous layer's round is over: every member has passed it
+        self._bind(pos, module, recompute=False)
+
+    def run_team(self, calls: Sequence[Callable[[], Any]], *, seeds: Sequence[int | None] | None = None) -> list[Any]:
+        """Run ``calls`` (each a micro-batch's whole computation on this model, e.g. its
+        ``generate``) layer-major: every streamed layer is bound once per round of the
+        micro-batches (:mod:`gds_offload.weights.schedule`); their results, in order.
+
+        Raises:
+            OffloadError: another thread is running the model. Whatever a call raised.
+        """
+        if self._closed:
+            raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
+        team: Team[Any] = Team(calls, seeds=seeds)
+        with held():
+            self._turn.enter(wait=False)
+        try:
+            self._team = team
+            results = team.run(started=self._turn.admit)
+            self._stats.teams += 1
+            self._stats.team_micro_batches += len(calls)
+            return results
+        finally:
+            with held():
+                self._team = None
+                self._turn.dismiss()
+                self._end_layer()  # the last round's layer
+                self._turn.exit()
+
     def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
         assert self._prefetch is not None, "a recompute without a ring"
         current = self._prefetch.current
@@ -404,6 +472,8 @@ class StreamedModel:
             current = self._prefetch.current
             if not self._turn.owned() or current is None or current[0] != pos:
                 return  # not this thread's layer (its pre-hook was refused), or already released
+            if self._team is not None and self._team.member():
+                return  # the layer stays bound for the other members of the round
             changed = not self._release()
             self._end_layer()
         if changed and output is not None:
@@ -416,7 +486,10 @@ class StreamedModel:
 
     def _end_layer(self, *, keep_turn: bool = False) -> None:
         """Take out a layer still bound (its post-hook did not run), and give back the turn a layer
-        called on its own took (unless ``keep_turn``: the next layer's pre-hook holds it now)."""
+        called on its own took (unless ``keep_turn``: the next layer's pre-hook holds it now).
+        A team member's pass leaves the layer to the team (:meth:`run_team` takes it out)."""
+        if self._team is not None and self._team.member():
+            return
         if self._prefetch is not None and self._prefetch.current is not None:
             self._release()
         if self._saved is not None:

@@ -47,6 +47,12 @@ class StreamStats:
     backward_reads: list[int] = field(default_factory=list)
     #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.
     backward_copies: list[int] = field(default_factory=list)
+    #: Layer-major waves (``generate_many``): teams of micro-batches that shared each weight load, and their micro-batches.
+    teams: int = 0
+    team_micro_batches: int = 0
+    #: KV caches on the drive (``generate_many(kv="drive")``): bytes read back and written.
+    kv_bytes_read: int = 0
+    kv_bytes_written: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
