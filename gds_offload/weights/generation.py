@@ -29,9 +29,10 @@ from gds_offload.units import checked_int
 from gds_offload.weights.options import KVPlacement
 
 if TYPE_CHECKING:
+    from gds_offload.weights.plan import Plan
     from gds_offload.weights.stream import StreamedModel
 
-__all__ = ["ManyOutput", "MicroBatch", "generate_many", "micro_batches"]
+__all__ = ["ManyOutput", "MicroBatch", "cache_argument", "generate_many", "micro_batches"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,11 @@ def generate_many(
     prompts: Sequence[Sequence[int] | torch.Tensor],
     *,
     max_new_tokens: int,
-    micro_batch: int = 8,
-    per_load: int = 4,
-    kv: str | KVPlacement = KVPlacement.DEVICE,
+    plan: Plan | None = None,
+    micro_batch: int | None = None,
+    per_load: int | None = None,
+    kv: str | KVPlacement | None = None,
+    prefill_chunk: int | None = None,
     kv_path: str | Path | None = None,
     seed: int | None = None,
     pad_token_id: int | None = None,
@@ -107,8 +110,13 @@ def generate_many(
     Args:
         lm: a streamed Hugging Face causal LM.
         prompts: token ids, one sequence per prompt, of any lengths.
-        micro_batch: prompts per micro-batch (``b``); per_load: micro-batches per weight load (``n``).
-        kv: ``"device"`` (Hugging Face's own cache, in memory) or ``"drive"`` (each micro-batch-layer's
+        plan: the shape to run (:func:`~gds_offload.weights.plan.plan`; default ``lm.plan``, the one
+            ``load_streamed`` applied): its micro-batch size, micro-batches per load, KV placement and
+            prefill chunk, unless given here.
+        micro_batch: prompts per micro-batch (``b``; default 8); per_load: micro-batches per weight load (``n``; default 4).
+        prefill_chunk: prefill this many positions per forward (Hugging Face's ``prefill_chunk_size``:
+            less activation memory per micro-batch; the reference passes it too). ``None``: whole prompts.
+        kv: ``"device"`` (default: Hugging Face's own cache, in memory) or ``"drive"`` (each micro-batch-layer's
             cache in a spill file in ``kv_path``, read back just before the layer; default directory
             ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``).
         seed: micro-batch ``j`` samples as ``torch.manual_seed(seed + j)`` would make it; ``None``: a
@@ -123,11 +131,22 @@ def generate_many(
             with ``kv="drive"``, a model whose cache the drive cannot hold.
     """
     checked_int("max_new_tokens", max_new_tokens, low=1, what="tokens to generate per prompt")
-    n = checked_int("per_load", per_load, low=1, what="micro-batches sharing each weight load")
-    placement = _placement(kv)
-    for bad in ("input_ids", "attention_mask", "past_key_values", "max_length"):
+    for bad in ("input_ids", "attention_mask", "past_key_values", "cache", "max_length", "prefill_chunk_size"):
         if bad in generate_kwargs:
-            raise ConfigError(f"generate_many sets {bad} itself; pass prompts and max_new_tokens instead")
+            raise ConfigError(f"generate_many sets {bad} itself; pass prompts, max_new_tokens and prefill_chunk instead")
+    chosen = plan if plan is not None else lm.plan
+    if chosen is not None:
+        c = chosen.choice
+        micro_batch = c.micro_batch if micro_batch is None else micro_batch
+        per_load = c.per_load if per_load is None else per_load
+        kv = c.kv if kv is None else kv
+        prefill_chunk = c.prefill_chunk if prefill_chunk is None else prefill_chunk
+    micro_batch = 8 if micro_batch is None else micro_batch
+    n = checked_int("per_load", 4 if per_load is None else per_load, low=1, what="micro-batches sharing each weight load")
+    placement = _placement(KVPlacement.DEVICE if kv is None else kv)
+    if prefill_chunk is not None:
+        checked_int("prefill_chunk", prefill_chunk, low=1, what="positions per prefill forward")
+        generate_kwargs = generate_kwargs | {"prefill_chunk_size": prefill_chunk}
     if placement is KVPlacement.DRIVE and (generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1):
         raise ConfigError("beam search and num_return_sequences > 1 reorder or expand the KV cache; with kv='drive' use num_beams=1, or kv='device'")
     model = lm.model
@@ -166,7 +185,7 @@ def _wave(
         pool = KVPool(shapes, engine=lm.kv_engine(), directory=kv_path or _default_dir(), device=device)
 
     def call(j: int, mb: MicroBatch) -> Any:
-        extra = {} if pool is None else {_cache_arg(): pool.cache(j)}
+        extra = {} if pool is None else {cache_argument(): pool.cache(j)}
         return model.generate(mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), max_new_tokens=max_new_tokens,
                               pad_token_id=pad, **extra, **kwargs)  # fmt: skip
 
@@ -179,7 +198,7 @@ def _wave(
             pool.close()
 
 
-def _cache_arg() -> str:
+def cache_argument() -> str:
     """``generate``'s argument for a cache object: ``cache`` from transformers 5.24 (``past_key_values`` is deprecated there)."""
     import transformers  # the model is a transformers model: already imported
 

@@ -112,6 +112,13 @@ class Ring:
         self.release(slot)
         return buf
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A buffer like the slots (page-aligned host memory, or 4 KiB-aligned device memory), every
+        page touched once, as a slot's are after its first fill (for timing reads as the ring sees them)."""
+        buf = self._new_buffer(nbytes)
+        buf.zero_()
+        return buf
+
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of memory of its own where the slots are: page-aligned on the host, 4 KiB-aligned on a GPU."""
         device = self.buffers[0].device

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -80,13 +81,15 @@ from gds_offload.weights.budget import plan_residency
 from gds_offload.weights.generation import ManyOutput, generate_many
 from gds_offload.weights.interrupts import deliver, held
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
+from gds_offload.weights.malloc import predictable_malloc
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
+from gds_offload.weights.plan import Plan
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
-from gds_offload.weights.ring import Ring, make_read_engine, make_ring
+from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.schedule import Team
-from gds_offload.weights.storefile import StoreFiles, resolve_dirs
+from gds_offload.weights.storefile import StoreFiles, read_group, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
 
@@ -104,12 +107,13 @@ def load_streamed(
     *,
     device: str | torch.device = "cpu",
     tier: Tier = "drive",
-    slots: int = 2,
+    slots: int | None = None,
     resident_layers: int | None = None,
     max_memory: int | str | None = None,
     verify: bool = False,
     engine: str = "auto",
     num_threads: int | None = None,
+    plan: Plan | None = None,
 ) -> StreamedModel:
     """Give a model skeleton (built on the meta device) its weights from a store, streaming its layers.
 
@@ -121,8 +125,8 @@ def load_streamed(
         device: where the model computes: ``"cpu"`` or a CUDA device.
         tier: ``"drive"``: layers are read from the store for every forward; ``"host"``: all
             layers are read once into host memory (pinned, and copied into the ring on a GPU).
-        slots: ring buffers for streamed layers (``>= 1``; 2 overlaps one fill with one layer's
-            compute; capped at the number of streamed layers).
+        slots: ring buffers for streamed layers (``>= 1``; default 2, or the plan's: 2 overlaps one
+            fill with one layer's compute; capped at the number of streamed layers).
         resident_layers: how many of the first layers to keep on ``device`` like the resident group
             (default 0, or what ``max_memory`` allows).
         max_memory: bytes (or ``"6GiB"``) of ``device`` memory for weights: the resident group, the
@@ -133,6 +137,9 @@ def load_streamed(
         engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
             compat, else posix), ``gds``, ``compat``, ``posix``.
         num_threads: engine threads doing the reads (``None``: 4 on the CPU, the engine's default on a GPU).
+        plan: a :class:`~gds_offload.weights.plan.Plan` (:func:`~gds_offload.weights.plan.plan`): its
+            ``slots`` and ``resident_layers`` (an explicit argument that differs is refused), kept for
+            :meth:`StreamedModel.generate_many`.
 
     Returns:
         A :class:`StreamedModel`; close it (or use it as a context manager) to stop the reads.
@@ -143,9 +150,24 @@ def load_streamed(
         StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
-    options = StreamOptions.from_kwargs(device=device, tier=tier, slots=slots, resident_layers=resident_layers,
+    if plan is not None:
+        slots, resident_layers = _from_plan(plan, slots=slots, resident_layers=resident_layers, max_memory=max_memory)
+    options = StreamOptions.from_kwargs(device=device, tier=tier, slots=2 if slots is None else slots, resident_layers=resident_layers,
                                         max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
-    return StreamedModel(model, store, options)
+    lm = StreamedModel(model, store, options)
+    lm.plan = plan
+    return lm
+
+
+def _from_plan(plan: Plan, *, slots: int | None, resident_layers: int | None, max_memory: object) -> tuple[int, int]:
+    """``(slots, resident_layers)`` of ``plan``; an explicit argument must agree with it."""
+    c = plan.choice
+    for name, given, planned in (("slots", slots, c.slots), ("resident_layers", resident_layers, c.resident_layers)):
+        if given is not None and given != planned:
+            raise ConfigError(f"{name}={given} differs from the plan's {name}={planned}; pass one or the other")
+    if max_memory is not None:
+        raise ConfigError("max_memory= and plan= both choose the resident layers; pass one or the other")
+    return c.slots, c.resident_layers
 
 
 class StreamedModel:
@@ -192,6 +214,9 @@ class StreamedModel:
         self._pass: PassForward | None = None
         self._team: Team[Any] | None = None  # the layer-major team running, if any
         self._kv_engine: Engine | None = None
+        #: The plan :func:`load_streamed` applied (``generate_many`` takes its shape from it), or ``None``.
+        self.plan: Plan | None = None
+        self._started: dict[int, float] = {}  # thread -> when its current layer's forward began
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
@@ -227,6 +252,7 @@ class StreamedModel:
                 host_nbytes=self._ring.host_nbytes if self._ring else 0,
                 loads=[0] * len(self._streamed),
                 reads=[0] * len(self._streamed),
+                compute_s=[0.0] * len(self._streamed),
             )
             # Register.
             for pos, layer in enumerate(self._layers):
@@ -263,6 +289,27 @@ class StreamedModel:
             self._res.insert(1, self._kv_engine)  # closed after the ring, before the files
         return self._kv_engine
 
+    def layer_modules(self) -> list[nn.Module]:
+        """The streamed layers, in order."""
+        return list(self._layers)
+
+    def read_layers(self, count: int) -> tuple[int, float]:
+        """Read the first ``count`` streamed layers from the store through the ring's engine, one
+        after another, into one buffer of the ring's kind outside the ring (touched once before, as
+        a slot is); ``(bytes, seconds)``. The ring's fills are settled first, so the drive does
+        nothing else meanwhile."""
+        ring = self._ring
+        if ring is None or not self._streamed or not isinstance(ring, HostRing):
+            raise ConfigError("this StreamedModel reads no layer from the drive per forward (tier='host', or none streamed)")
+        with held(), self._turn.holding(wait=True):
+            self.settle()
+            groups = self._streamed[:count]
+            buf = ring.scratch(max(g.padded_nbytes for g in groups))
+            start = time.perf_counter()
+            for g in groups:
+                wait_read(g, read_group(ring.engine, self._files, g, buf, verify=False))
+            return sum(g.padded_nbytes for g in groups), time.perf_counter() - start
+
     def note_kv(self, bytes_read: int, bytes_written: int) -> None:
         """Count KV-cache traffic (by :func:`~gds_offload.weights.generation.generate_many`)."""
         self._stats.kv_bytes_read += bytes_read
@@ -273,7 +320,8 @@ class StreamedModel:
         s = self._stats
         again = list(self._saved.reads) if self._saved else []
         copied = list(self._saved.copies) if self._saved else []
-        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again, "backward_copies": copied}))
+        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "compute_s": list(s.compute_s),
+                                           "backward_reads": again, "backward_copies": copied}))  # fmt: skip
 
     @property
     def closed(self) -> bool:
@@ -374,6 +422,7 @@ class StreamedModel:
             if team is not None and team.member():
                 team.arrive()  # the next micro-batch runs; this one resumes on its turn
                 self._bind_shared(pos, module)
+                self._started[threading.get_ident()] = time.perf_counter()
                 return
             if not self._turn.owned():  # a layer called on its own, or a recompute on backward's thread
                 self._turn.enter(wait=recompute)
@@ -385,6 +434,7 @@ class StreamedModel:
                 if not isinstance(exc, Exception) or self._prefetch is None or self._prefetch.current is None:
                     self._end_layer()
                 raise
+            self._started[threading.get_ident()] = time.perf_counter()
 
     def _bind(self, pos: int, module: nn.Module, *, recompute: bool) -> None:
         """The pre-hook's work, on the thread holding the turn: wait for layer ``pos``'s fill and bind it."""
@@ -438,6 +488,7 @@ class StreamedModel:
         """
         if self._closed:
             raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
+        predictable_malloc()  # the members' freed activations must leave the resident set (see malloc.py)
         team: Team[Any] = Team(calls, seeds=seeds)
         with held():
             self._turn.enter(wait=False)
@@ -472,6 +523,9 @@ class StreamedModel:
             current = self._prefetch.current
             if not self._turn.owned() or current is None or current[0] != pos:
                 return  # not this thread's layer (its pre-hook was refused), or already released
+            started = self._started.pop(threading.get_ident(), None)
+            if started is not None:
+                self._stats.compute_s[pos] += time.perf_counter() - started
             if self._team is not None and self._team.member():
                 return  # the layer stays bound for the other members of the round
             changed = not self._release()

@@ -43,6 +43,9 @@ class StreamStats:
     reused: int = 0
     #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
     stall_s: float = 0.0
+    #: Time each layer's forwards took, from its pre-hook's end to its post-hook (every micro-batch's,
+    #: in a layer-major team; on CUDA the time to queue its kernels, not to run them).
+    compute_s: list[float] = field(default_factory=list)
     #: Times each layer was read again for backward (the weights autograd saved from it).
     backward_reads: list[int] = field(default_factory=list)
     #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.

@@ -1,0 +1,251 @@
+"""Measuring a streamed model on this machine for the planner (:mod:`gds_offload.weights.plan`):
+:func:`measure` returns a :class:`~gds_offload.weights.plan.Profile`.
+
+The measurements run in a child process (``python -m gds_offload.weights.measure``), so that
+the memory it reports is the model's own, not whatever the caller's process holds:
+
+* the read rate: streamed layers read from the store through the ring's engine, outside the ring;
+* one layer's forward time, prefill (``b`` prompts of ``prompt_len`` tokens) and decode (``b``
+  sequences at the workload's mean context), at two or three sizes, and the head's: a forward
+  that stops after the first two streamed layers (the others are not computed), timed per layer
+  by the streamed model's own counters (``stats().compute_s``), reads in flight as in a real run;
+* memory: the process's resident set after loading (the base), and its peak (``VmHWM``, reset
+  before each forward) above that during each one, per token (prefill) or sequence (decode).
+
+The child prints one JSON object per line: ``{"event": "progress", ...}`` while it works, then
+``{"event": "profile", ...}``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gds_offload.errors import ConfigError
+from gds_offload.weights.generation import cache_argument
+from gds_offload.weights.malloc import predictable_malloc
+from gds_offload.weights.plan import Fit, Generate, Profile
+
+__all__ = ["measure", "main"]
+
+_TIMEOUT_S = 600
+
+
+def measure(
+    store: str | os.PathLike[str],
+    workload: Generate,
+    *,
+    device: str = "cpu",
+    engine: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Profile the model in ``store`` for ``workload`` on ``device`` (see the module doc).
+
+    Raises:
+        ConfigError: the child failed (its last line of output is in the message).
+    """
+    spec = {"store": os.fspath(store), "device": device, "engine": engine, "prompt_len": workload.prompt_len,
+            "new_tokens": workload.new_tokens, "prompts": workload.prompts}  # fmt: skip
+    cmd = [sys.executable, "-m", "gds_offload.weights.measure", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result: dict[str, Any] | None = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "progress" and progress is not None:
+                progress(event["what"])
+            elif event.get("event") == "profile":
+                result = event["profile"]
+        _, err = proc.communicate(timeout=_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0 or result is None:
+        last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise ConfigError(f"measuring {store} failed: {last[0]}")
+    return profile_from(result)
+
+
+def profile_from(d: dict[str, Any]) -> Profile:
+    """A :class:`Profile` from its JSON form (``asdict``)."""
+    fits = {k: Fit(**d[k]) for k in ("prefill", "decode", "head")}
+    return Profile(**(d | fits))
+
+
+# -- the child -------------------------------------------------------------------------------------
+class _Stop(Exception):
+    """Raised in the third streamed layer's pre-hook: the profile needs two layers' times only."""
+
+
+def _emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
+
+
+def _device_peak(device: torch.device) -> tuple[Callable[[], None], Callable[[], int]]:
+    if device.type == "cuda":
+        return (lambda: torch.cuda.reset_peak_memory_stats(device)), (lambda: torch.cuda.max_memory_allocated(device))
+    return _reset_peak, (lambda: _rss("VmHWM"))
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    import transformers
+
+    from gds_offload.weights import load_streamed
+
+    predictable_malloc()  # as generate_many runs: the memory measured is the memory held
+    store = Path(spec["store"])
+    device = torch.device(spec["device"])
+    prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
+    cfg = transformers.AutoConfig.from_pretrained(store)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    _emit("progress", what="loading the resident group")
+    lm = load_streamed(skeleton, store, device=device, slots=2, engine=spec["engine"])
+    stats = lm.stats()
+    if len(stats.streamed_layers) < 3:
+        raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
+    lm.settle()
+    reset, peak = _device_peak(device)
+    ring = stats.slots * stats.slot_nbytes
+    base = (_rss("VmRSS") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
+    _emit("progress", what="reading layers from the drive")
+    nbytes, seconds = lm.read_layers(3)
+    model = lm.model
+    layers = lm.layer_modules()
+    stop = layers[2].register_forward_pre_hook(lambda *a: _raise_stop())
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    vocab = cfg.get_text_config(decoder=True).vocab_size
+
+    def two_layers(call: Callable[[], Any]) -> tuple[float, int]:
+        before = lm.stats().compute_s
+        base_now = peak() if device.type == "cuda" else _rss("VmRSS")
+        reset()
+        try:
+            with torch.no_grad():
+                call()
+        except _Stop:
+            pass
+        after = lm.stats().compute_s
+        return (after[0] - before[0] + after[1] - before[1]) / 2, max(peak() - base_now, 0)
+
+    prefill, decode = [], []
+    cap = spec["prompts"]
+    for b in sorted({min(1, cap), min(4, cap)}):
+        _emit("progress", what=f"prefill of {b} x {prompt_len} tokens")
+        ids = torch.randint(0, vocab, (b, prompt_len), device=device)
+        two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
+        s, mem = two_layers(functools.partial(model, ids))
+        prefill.append((b * prompt_len, s, mem))
+    ctx = prompt_len + new_tokens // 2
+    for b in sorted({min(8, cap), min(32, cap)}):
+        _emit("progress", what=f"decode of {b} sequences at {ctx} positions")
+        ids = torch.randint(0, vocab, (b, 1), device=device)
+        mask = torch.ones(b, ctx + 1, dtype=torch.long, device=device)
+        for _ in range(2):  # a warm-up, then the measured step (each on a cache of its own)
+            step = functools.partial(model, ids, attention_mask=mask, use_cache=True,
+                                     **{cache_argument(): _random_cache(cfg, b, ctx, dtype, device)})
+            s, mem = two_layers(step)
+        decode.append((b, s, mem))
+    stop.remove()
+    head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
+    text = cfg.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = 2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    lm.close()
+    return {
+        "device": str(device),
+        "layers": text.num_hidden_layers,
+        "layer_nbytes": stats.slot_nbytes,
+        "resident_nbytes": stats.resident_nbytes,
+        "hidden_nbytes": text.hidden_size * dtype.itemsize,
+        "kv_nbytes": kv,
+        "kv_record_nbytes": kv,
+        "logits_nbytes": vocab * 4,
+        "read_Bps": nbytes / seconds,
+        "base_nbytes": base,
+        "prefill": vars(Fit.through([(r, s) for r, s, _ in prefill])),
+        "decode": vars(Fit.through([(r, s) for r, s, _ in decode])),
+        "head": vars(Fit.through(head)),
+        "prefill_transient_nbytes": max(m / r for r, _, m in prefill),
+        "decode_transient_nbytes": max(m / r for r, _, m in decode),
+        "measured": {"prefill": prefill, "decode": decode, "head": head, "read": [nbytes, seconds]},
+    }
+
+
+def _raise_stop() -> None:
+    raise _Stop
+
+
+def _random_cache(cfg: Any, batch: int, positions: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A ``DynamicCache`` of ``positions`` random keys and values in the first two layers (timing only)."""
+    from transformers import DynamicCache
+
+    text = cfg.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    cache = DynamicCache()
+    for layer in range(2):
+        k = torch.randn(batch, kv_heads, positions, head_dim, dtype=dtype, device=device)
+        cache.update(k, torch.randn_like(k), layer)
+    return cache
+
+
+def _time_head(model: Any, cfg: Any, dtype: torch.dtype, device: torch.device, *, sizes: list[int]) -> list[tuple[float, float]]:
+    head = model.get_output_embeddings()
+    hidden = cfg.get_text_config(decoder=True).hidden_size
+    out = []
+    with torch.no_grad():
+        for b in sizes:
+            x = torch.randn(b, 1, hidden, dtype=dtype, device=device)
+            head(x)
+            start = time.perf_counter()
+            for _ in range(3):
+                head(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out.append((float(b), (time.perf_counter() - start) / 3))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        profile = _child(json.loads(args[0]))
+    except ConfigError as exc:
+        print(f"gds_offload.weights.measure: {exc}", file=sys.stderr)
+        return 2
+    _emit("profile", profile=profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
