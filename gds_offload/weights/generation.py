@@ -29,7 +29,7 @@ from gds_offload.units import checked_int
 from gds_offload.weights.options import KVPlacement
 
 if TYPE_CHECKING:
-    from gds_offload.weights.plan import Plan
+    from gds_offload.weights.planner import Plan
     from gds_offload.weights.stream import StreamedModel
 
 __all__ = ["ManyOutput", "MicroBatch", "cache_argument", "generate_many", "micro_batches"]
@@ -110,7 +110,7 @@ def generate_many(
     Args:
         lm: a streamed Hugging Face causal LM.
         prompts: token ids, one sequence per prompt, of any lengths.
-        plan: the shape to run (:func:`~gds_offload.weights.plan.plan`; default ``lm.plan``, the one
+        plan: the shape to run (:func:`~gds_offload.weights.planner.plan`; default ``lm.plan``, the one
             ``load_streamed`` applied): its micro-batch size, micro-batches per load, KV placement and
             prefill chunk, unless given here.
         micro_batch: prompts per micro-batch (``b``; default 8); per_load: micro-batches per weight load (``n``; default 4).

@@ -1,6 +1,6 @@
 """Memory that is freed goes back to the system: :func:`predictable_malloc`.
 
-A planned run must stay under a memory limit it predicts (:mod:`gds_offload.weights.plan`), and
+A planned run must stay under a memory limit it predicts (:mod:`gds_offload.weights.planner`), and
 on Linux with glibc the process's resident memory is not what the model holds: glibc raises
 its mmap threshold each time a large block is freed, so later activations of that size come
 from the heap, whose free space is kept rather than returned; and each thread gets an arena of

@@ -1,5 +1,5 @@
-"""Measuring a streamed model on this machine for the planner (:mod:`gds_offload.weights.plan`):
-:func:`measure` returns a :class:`~gds_offload.weights.plan.Profile`.
+"""Measuring a streamed model on this machine for the planner (:mod:`gds_offload.weights.planner`):
+:func:`measure` returns a :class:`~gds_offload.weights.planner.Profile`.
 
 The measurements run in a child process (``python -m gds_offload.weights.measure``), so that
 the memory it reports is the model's own, not whatever the caller's process holds:
@@ -32,7 +32,7 @@ import torch
 from gds_offload.errors import ConfigError
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
-from gds_offload.weights.plan import Fit, Generate, Profile
+from gds_offload.weights.planner import Fit, Generate, Profile
 
 __all__ = ["measure", "main"]
 

@@ -84,7 +84,7 @@ from gds_offload.weights.load import load_resident, move_free_buffers, read_aren
 from gds_offload.weights.malloc import predictable_malloc
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
-from gds_offload.weights.plan import Plan
+from gds_offload.weights.planner import Plan
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
@@ -137,7 +137,7 @@ def load_streamed(
         engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
             compat, else posix), ``gds``, ``compat``, ``posix``.
         num_threads: engine threads doing the reads (``None``: 4 on the CPU, the engine's default on a GPU).
-        plan: a :class:`~gds_offload.weights.plan.Plan` (:func:`~gds_offload.weights.plan.plan`): its
+        plan: a :class:`~gds_offload.weights.planner.Plan` (:func:`~gds_offload.weights.planner.plan`): its
             ``slots`` and ``resident_layers`` (an explicit argument that differs is refused), kept for
             :meth:`StreamedModel.generate_many`.
 

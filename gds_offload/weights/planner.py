@@ -27,15 +27,19 @@ hidden state between layers, and one micro-batch's measured transient peak insid
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from gds_offload.errors import ConfigError
-from gds_offload.units import format_bytes
+from gds_offload.units import format_bytes, parse_bytes
 from gds_offload.weights.options import KVPlacement
 
-__all__ = ["Choice", "Estimate", "Fit", "Generate", "Plan", "Profile", "choose", "estimate"]
+__all__ = ["Choice", "Estimate", "Fit", "Generate", "Plan", "Profile", "check_feasible", "choose", "estimate", "plan"]
 
 Bound = Literal["compute", "drive", "memory"]
 #: The share of ``memory`` a plan may fill: the rest is headroom for what the model cannot predict
@@ -164,6 +168,9 @@ class Plan:
     predicted: Estimate
     #: The best point for each micro-batch size and KV placement, and why it lost to the choice.
     alternatives: tuple[tuple[Estimate, str], ...]
+    #: For each KV placement and number of sequences per weight load: the best tokens/s there and
+    #: whether it fits (the weight side's counterpart of the recompute-offload-keep curve).
+    curve: tuple[tuple[str, int, float, bool], ...] = ()
 
     @property
     def choice(self) -> Choice:
@@ -311,14 +318,15 @@ def _most_resident(profile: Profile, workload: Generate, choice: Choice, usable:
 
 
 def choose(profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPlacement, ...] = tuple(KVPlacement)) -> Plan:
-    """The fastest choice for ``workload`` that fits ``memory`` bytes (see the module doc); ties go
-    to the smaller peak. Deterministic: a function of its arguments only.
+    """The fastest choice for ``workload`` that fits ``memory`` bytes (see the module doc); among
+    those within 1% of it, the simplest (KV in memory, fewest micro-batches per load, smallest peak).
+    Deterministic: a function of its arguments only.
 
     Raises:
         ConfigError: no choice fits ``memory`` (the message names the smallest one and what it needs).
     """
     if not isinstance(workload, Generate):
-        raise ConfigError(f"workload={workload!r}: the planner plans gds_offload.weights.plan.Generate workloads")
+        raise ConfigError(f"workload={workload!r}: the planner plans gds_offload.weights.planner.Generate workloads")
     usable = HEADROOM * memory
     estimates = []
     for shape in _shapes(workload, kv=kv):
@@ -333,7 +341,7 @@ def choose(profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPla
             f"(the model's base and resident group alone take {format_bytes(profile.base_nbytes)}, a layer "
             f"{format_bytes(profile.layer_nbytes)}); give at least {format_bytes(math.ceil(least.peak_nbytes / HEADROOM))}"
         )
-    best = max(fitting, key=lambda e: (e.tokens_per_s, -e.peak_nbytes))
+    best = _simplest_of_the_fastest(fitting)
     if best.bound == "drive" and _larger_would_not_fit(best, estimates):
         best = replace(best, bound="memory")
     alternatives = []
@@ -348,7 +356,27 @@ def choose(profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPla
             else f"over memory: needs {format_bytes(alt.peak_nbytes)} of {format_bytes(int(HEADROOM * memory))} usable"
         )  # fmt: skip
         alternatives.append((alt, why))
-    return Plan(workload, memory, profile, best, tuple(alternatives))
+    curve = []
+    for placement in kv:
+        for seqs in sorted({e.choice.in_flight for e in estimates}):
+            at = [e for e in estimates if e.choice.kv == placement and e.choice.in_flight == seqs]
+            ok = [e for e in at if e.fits]
+            if at:
+                top = max(ok or at, key=lambda e: e.tokens_per_s)
+                curve.append((placement.value, seqs, top.tokens_per_s, bool(ok)))
+    return Plan(workload, memory, profile, best, tuple(alternatives), tuple(curve))
+
+
+#: Plans within this share of the fastest count as as fast: the predictions are not finer than that.
+TIE = 0.01
+
+
+def _simplest_of_the_fastest(fitting: list[Estimate]) -> Estimate:
+    """Among the plans within :data:`TIE` of the fastest: KV caches in memory (no drive traffic to go
+    wrong), then the fewest micro-batches per load (fewer threads), then the smallest peak."""
+    top = max(e.tokens_per_s for e in fitting)
+    near = [e for e in fitting if e.tokens_per_s >= (1 - TIE) * top]
+    return min(near, key=lambda e: (e.choice.kv is not KVPlacement.DEVICE, e.choice.per_load, e.peak_nbytes, -e.tokens_per_s))
 
 
 def _larger_would_not_fit(best: Estimate, estimates: list[Estimate]) -> bool:
@@ -356,3 +384,73 @@ def _larger_would_not_fit(best: Estimate, estimates: list[Estimate]) -> bool:
     c = best.choice
     larger = [e for e in estimates if e.choice.in_flight > c.in_flight and e.choice.kv == c.kv and e.choice.slots == c.slots]
     return bool(larger) and not any(e.fits for e in larger)
+
+
+def plan(
+    store: str | os.PathLike[str],
+    workload: Generate,
+    *,
+    memory: int | str,
+    device: str = "cpu",
+    engine: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Measure the model in ``store`` on this machine (:func:`~gds_offload.weights.measure.measure`,
+    in a child process) and choose the fastest shape for ``workload`` under ``memory`` bytes
+    (``"1.2GiB"``): :func:`choose`. Checks what it can before measuring.
+
+    Raises:
+        ConfigError: ``memory`` below what any plan needs (before measuring when the store alone
+            shows it), a workload longer than the model's positions, or no plan that fits.
+    """
+    from gds_offload.weights.measure import measure
+
+    limit = parse_bytes(memory, name="memory")
+    check_feasible(store, workload, limit)
+    return choose(measure(store, workload, device=device, engine=engine, progress=progress), workload, limit)
+
+
+def check_feasible(store: str | os.PathLike[str], workload: Generate, memory: int) -> None:
+    """What can be refused without measuring: a workload longer than the model's positions, and a
+    ``memory`` below this process's own resident memory plus the resident group and one layer.
+
+    Raises:
+        ConfigError: either, naming what is needed.
+    """
+    from gds_offload.weights.manifest import read_manifest
+
+    m = read_manifest(store)
+    config = _read_config(Path(store))
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    need = workload.prompt_len + workload.new_tokens
+    if isinstance(limit, int) and need > limit:
+        raise ConfigError(f"the workload needs {need} positions ({workload.prompt_len} + {workload.new_tokens}) but the model in {store} "
+                          f"has {limit}; shorten --prompt-len or --new-tokens")  # fmt: skip
+    if not m.layers:
+        raise ConfigError(f"{store} holds no layers to stream; load it resident instead")
+    floor = _own_rss() + (m.resident.padded_nbytes if m.resident else 0) + max(g.padded_nbytes for g in m.layers)
+    if memory * HEADROOM < floor:
+        raise ConfigError(
+            f"memory={format_bytes(memory)} is below what any plan needs: this process ({format_bytes(_own_rss())}), the resident "
+            f"group and one layer need {format_bytes(floor)}; give at least {format_bytes(math.ceil(floor / HEADROOM))}"
+        )
+
+
+def _read_config(store: Path) -> dict[str, Any]:
+    try:
+        with open(store / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return text if isinstance(text, dict) else {}
+
+
+def _own_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
