@@ -180,3 +180,36 @@ def test_the_plan_command_refuses_in_one_line_with_exit_2(store: Path, args: lis
     import re
 
     assert re.search(match, proc.stderr), proc.stderr
+
+
+def test_from_pretrained_converts_when_needed_plans_and_streams(store: Path, tmp_path: Path) -> None:
+    from gds_offload.weights import as_reference, from_pretrained
+    from gds_offload.weights.pretrained import stale_reason
+
+    ckpt = store.parent / "ckpt"
+    out = tmp_path / "store"
+    said: list[str] = []
+    w = Generate(prompts=6, prompt_len=8, new_tokens=3)
+    lm = from_pretrained(ckpt, store=out, memory="8GiB", workload=w, progress=said.append)
+    try:
+        assert any("converting" in s and "no store yet" in s for s in said) and lm.plan is not None
+        prompts = [torch.arange(1, 9) + i for i in range(6)]
+        got = lm.generate_many(prompts, max_new_tokens=3, kv_path=tmp_path / "kv", pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    finally:
+        lm.close()
+    ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval())
+    for j, mb in enumerate(got.micro_batches):
+        want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
+                            prefill_chunk_size=lm.plan.choice.prefill_chunk, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(got.outputs[j].sequences, want.sequences)
+    assert stale_reason(ckpt, out) is None
+    written = (out / "manifest.json").stat().st_mtime_ns
+    from_pretrained(ckpt, store=out, memory="8GiB").close()  # fresh: not converted again
+    assert (out / "manifest.json").stat().st_mtime_ns == written
+    os.utime(ckpt / "model.safetensors")  # the checkpoint changed after the store was made
+    assert stale_reason(ckpt, out) == "model.safetensors is newer than the store"
+    said.clear()
+    from_pretrained(ckpt, store=out, memory="8GiB", progress=said.append).close()
+    assert any("newer than the store" in s for s in said) and stale_reason(ckpt, out) is None
+    with pytest.raises(ConfigError, match="has no config.json"):
+        from_pretrained(tmp_path, store=tmp_path / "other", memory="8GiB")
