@@ -213,3 +213,26 @@ def test_from_pretrained_converts_when_needed_plans_and_streams(store: Path, tmp
     assert any("newer than the store" in s for s in said) and stale_reason(ckpt, out) is None
     with pytest.raises(ConfigError, match="has no config.json"):
         from_pretrained(tmp_path, store=tmp_path / "other", memory="8GiB")
+
+
+def test_a_run_slower_than_planned_plans_again_and_says_so(store: Path, tmp_path: Path) -> None:
+    from gds_offload.weights import as_reference
+
+    w = Generate(prompts=16, prompt_len=8, new_tokens=3)
+    real = measure(store, w)
+    optimistic = choose(real.scaled(0.01), w, 8 * GiB)  # believes compute 100x faster than it is
+    streamed = replace(optimistic.choice, micro_batch=2, per_load=2, resident_layers=0, slots=2)  # waves of 4 prompts, every layer read
+    optimistic = replace(optimistic, predicted=replace(optimistic.predicted, choice=streamed))
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
+    prompts = [torch.arange(1, 9) + i for i in range(16)]
+    with load_streamed(skeleton, store, plan=optimistic) as lm:
+        out = lm.generate_many(prompts, max_new_tokens=3, pad_token_id=0, kv_path=tmp_path / "kv", output_scores=True, return_dict_in_generate=True)
+        replans = lm.stats().replans
+    assert replans and "planned" in replans[0] and "the last 12 prompts run as" in replans[0]
+    assert sorted(i for mb in out.micro_batches for i in mb.indices) == list(range(16)), "every prompt once"
+    ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(store.parent / "ckpt").eval())
+    for j, mb in enumerate(out.micro_batches):
+        want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
+                            prefill_chunk_size=out.prefill_chunks[j])  # fmt: skip
+        assert torch.equal(out.outputs[j].sequences, want), f"micro-batch {j}"

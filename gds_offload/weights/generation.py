@@ -54,6 +54,8 @@ class ManyOutput:
     micro_batches: list[MicroBatch]
     #: ``generate``'s own result for each micro-batch (a tensor, or a ``GenerateOutput`` with scores if asked for).
     outputs: list[Any]
+    #: Each micro-batch's ``prefill_chunk_size`` (``None``: whole prompts); the reference passes the same.
+    prefill_chunks: list[int | None]
 
 
 def micro_batches(prompts: Sequence[Sequence[int] | torch.Tensor], micro_batch: int, *, pad_token_id: int) -> list[MicroBatch]:
@@ -158,16 +160,34 @@ def generate_many(
         warnings.warn(f"{why}: generating one micro-batch per weight load instead (per_load=1)", stacklevel=2)
         n = 1
     outputs: list[Any] = []
-    for start in range(0, len(mbs), n):
-        wave = mbs[start : start + n]
-        outputs.extend(_wave(lm, wave, first=start, base_seed=base, max_new_tokens=max_new_tokens, pad=pad,
+    chunks: list[int | None] = []
+    done: list[MicroBatch] = []
+    drift = _Drift(lm, chosen, max_new_tokens) if chosen is not None else None
+    while mbs:
+        wave, mbs = mbs[:n], mbs[n:]
+        before = sum(lm.stats().compute_s)
+        outputs.extend(_wave(lm, wave, first=len(done), base_seed=base, max_new_tokens=max_new_tokens, pad=pad,
                              placement=placement, kv_path=kv_path, kwargs=generate_kwargs))  # fmt: skip
+        done.extend(wave)
+        chunks.extend([generate_kwargs.get("prefill_chunk_size")] * len(wave))
+        if drift is not None and mbs:
+            new = drift.check(wave, sum(lm.stats().compute_s) - before, [i for mb in mbs for i in mb.indices], prompts)
+            if new is not None:  # the rest of the prompts, cut to the new plan's shape
+                c = new.choice
+                micro_batch, n, placement = c.micro_batch, c.per_load, c.kv
+                generate_kwargs = {k: v for k, v in generate_kwargs.items() if k != "prefill_chunk_size"}
+                if c.prefill_chunk is not None:
+                    generate_kwargs["prefill_chunk_size"] = c.prefill_chunk
+                rest = [i for mb in mbs for i in mb.indices]
+                mbs = [MicroBatch(tuple(rest[j] for j in m.indices), m.input_ids, m.attention_mask)
+                       for m in micro_batches([prompts[i] for i in rest], micro_batch, pad_token_id=pad)]  # fmt: skip
+    mbs = done
     tokens: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * len(prompts)
     for mb, out in zip(mbs, outputs):
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         for r, i in enumerate(mb.indices):
             tokens[i] = seqs[r, mb.input_ids.shape[1] :].cpu()
-    return ManyOutput(tokens, mbs, outputs)
+    return ManyOutput(tokens, mbs, outputs, chunks)
 
 
 def _wave(
@@ -204,6 +224,39 @@ def cache_argument() -> str:
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+#: Measured compute more than this share off the plan's prediction makes generate_many plan again.
+DRIFT = 0.25
+
+
+class _Drift:
+    """After each wave: the streamed layers' measured compute against the plan's prediction; off by
+    more than :data:`DRIFT` (another job on the machine, a turbo clock), the rest is planned again
+    with the profile's compute scaled by what was measured, the loaded ring kept (``stats().replans``)."""
+
+    def __init__(self, lm: StreamedModel, plan: Plan, max_new_tokens: int) -> None:
+        self.lm, self.plan, self.max_new_tokens = lm, plan, max_new_tokens
+        self.scale = 1.0
+
+    def check(self, wave: list[MicroBatch], measured_s: float, rest: list[int], prompts: Sequence[Any]) -> Plan | None:
+        from gds_offload.weights.planner import Generate, choose, estimate
+
+        p = self.plan.profile.scaled(self.scale)
+        seqs = sum(mb.input_ids.shape[0] for mb in wave)
+        w = Generate(seqs, max(mb.input_ids.shape[1] for mb in wave), self.max_new_tokens)
+        predicted = estimate(p, w, self.plan.choice, self.plan.memory_nbytes).streamed_compute_s
+        if predicted <= 0 or abs(measured_s / predicted - 1) <= DRIFT:
+            return None
+        self.scale *= measured_s / predicted
+        c = self.plan.choice
+        longest = max(len(prompts[i]) for i in rest)
+        new = choose(self.plan.profile.scaled(self.scale), Generate(len(rest), longest, self.max_new_tokens), self.plan.memory_nbytes,
+                     ring=(c.resident_layers, c.slots))  # fmt: skip
+        self.lm.note_replan(f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned ({measured_s / predicted:.2f}x): "
+                            f"the last {len(rest)} prompts run as {new.describe()}")  # fmt: skip
+        self.plan = new
+        return new
 
 
 def _placement(kv: str | KVPlacement) -> KVPlacement:

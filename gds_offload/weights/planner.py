@@ -151,6 +151,8 @@ class Estimate:
     fits: bool
     bytes_read: int  #: from the drive, weights and KV, over the workload
     bytes_written: int
+    #: Compute the streamed layers do over the workload (what ``stats().compute_s`` measures).
+    streamed_compute_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -234,7 +236,7 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
     bound: Bound = "compute" if acc.compute >= acc.drive else "drive"
     total = acc.prefill_s + acc.decode_s
     return Estimate(c, w.prompts * w.new_tokens / total if total else 0.0, acc.prefill_s, acc.decode_s, peak, bound,
-                    peak <= HEADROOM * memory_nbytes, acc.read, acc.written)  # fmt: skip
+                    peak <= HEADROOM * memory_nbytes, acc.read, acc.written, acc.compute * streamed / p.layers)  # fmt: skip
 
 
 class _Cost:
@@ -317,9 +319,13 @@ def _most_resident(profile: Profile, workload: Generate, choice: Choice, usable:
     return best
 
 
-def choose(profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPlacement, ...] = tuple(KVPlacement)) -> Plan:
+def choose(
+    profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPlacement, ...] = tuple(KVPlacement),
+    ring: tuple[int, int] | None = None,
+) -> Plan:  # fmt: skip
     """The fastest choice for ``workload`` that fits ``memory`` bytes (see the module doc); among
     those within 1% of it, the simplest (KV in memory, fewest micro-batches per load, smallest peak).
+    ``ring``: ``(resident_layers, slots)`` of a model already loaded (only the rest is chosen).
     Deterministic: a function of its arguments only.
 
     Raises:
@@ -330,7 +336,12 @@ def choose(profile: Profile, workload: Generate, memory: int, *, kv: tuple[KVPla
     usable = HEADROOM * memory
     estimates = []
     for shape in _shapes(workload, kv=kv):
-        c = _most_resident(profile, workload, shape, usable)
+        if ring is not None:
+            if shape.slots != 1:
+                continue
+            c: Choice | None = replace(shape, resident_layers=ring[0], slots=ring[1])
+        else:
+            c = _most_resident(profile, workload, shape, usable)
         estimates.append(estimate(profile, workload, c if c is not None else shape, memory))
     fitting = [e for e in estimates if e.fits]
     if not fitting:

@@ -310,6 +310,10 @@ class StreamedModel:
                 wait_read(g, read_group(ring.engine, self._files, g, buf, verify=False))
             return sum(g.padded_nbytes for g in groups), time.perf_counter() - start
 
+    def note_replan(self, why: str) -> None:
+        """Record that ``generate_many`` planned again, and why (``stats().replans``)."""
+        self._stats.replans.append(why)
+
     def note_kv(self, bytes_read: int, bytes_written: int) -> None:
         """Count KV-cache traffic (by :func:`~gds_offload.weights.generation.generate_many`)."""
         self._stats.kv_bytes_read += bytes_read
@@ -321,7 +325,7 @@ class StreamedModel:
         again = list(self._saved.reads) if self._saved else []
         copied = list(self._saved.copies) if self._saved else []
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "compute_s": list(s.compute_s),
-                                           "backward_reads": again, "backward_copies": copied}))  # fmt: skip
+                                           "replans": list(s.replans), "backward_reads": again, "backward_copies": copied}))  # fmt: skip
 
     @property
     def closed(self) -> bool:

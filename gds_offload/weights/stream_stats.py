@@ -53,6 +53,8 @@ class StreamStats:
     #: Layer-major waves (``generate_many``): teams of micro-batches that shared each weight load, and their micro-batches.
     teams: int = 0
     team_micro_batches: int = 0
+    #: Why ``generate_many`` planned again mid-run (measured compute off the plan by more than 25%), one line each.
+    replans: list[str] = field(default_factory=list)
     #: KV caches on the drive (``generate_many(kv="drive")``): bytes read back and written.
     kv_bytes_read: int = 0
     kv_bytes_written: int = 0
