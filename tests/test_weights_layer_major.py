@@ -227,16 +227,26 @@ def test_ctrl_c_during_generate_many_leaves_the_next_call_exact(stores: dict[str
     prompts = _prompts(6, seed=2)
     kw = dict(max_new_tokens=4, **SCORES)
     calls = [0]
+    handled = threading.Event()
 
-    def interrupt(*args: Any) -> None:  # runs on a member's thread; Python raises KeyboardInterrupt in the caller's
+    def on_sigint(signum: int, frame: Any) -> None:  # Python's own behaviour, and a flag the member waits for
+        handled.set()
+        raise KeyboardInterrupt
+
+    def interrupt(*args: Any) -> None:  # on a member's thread; the caller's thread gets the KeyboardInterrupt
         calls[0] += 1
         if calls[0] == 7:
             os.kill(os.getpid(), signal.SIGINT)
+            assert handled.wait(30), "the caller's thread handled the signal"  # so the team cannot finish first
 
-    with load_streamed(_skeleton(store), store, slots=2) as lm:
-        handle = lm.model.model.layers[2].register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            lm.generate_many(prompts, micro_batch=2, per_load=3, kv="drive", kv_path=kv_dir, seed=4, pad_token_id=0, **kw)
-        handle.remove()
-        out = lm.generate_many(prompts, micro_batch=2, per_load=3, kv="drive", kv_path=kv_dir, seed=4, pad_token_id=0, **kw)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with load_streamed(_skeleton(store), store, slots=2) as lm:
+            handle = lm.model.model.layers[2].register_forward_pre_hook(interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                lm.generate_many(prompts, micro_batch=2, per_load=3, kv="drive", kv_path=kv_dir, seed=4, pad_token_id=0, **kw)
+            handle.remove()
+            out = lm.generate_many(prompts, micro_batch=2, per_load=3, kv="drive", kv_path=kv_dir, seed=4, pad_token_id=0, **kw)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     _assert_same(out.outputs, _reference(ckpt, out.micro_batches, seed=4, **kw))
