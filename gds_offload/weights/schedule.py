@@ -16,6 +16,14 @@ thread run at a time, handing over at every streamed layer's pre-hook:
 * after the last layer each member runs on to its next hand-over: the head, the sampling
   of a decode step, the next step's embeddings.
 
+Members run with the caller's grad mode and autocast settings (thread-local state a new thread
+would not inherit). With grad mode on, each member's ``backward`` (called inside its computation)
+hands over too, at each streamed layer it reaches (on the CPU, where autograd runs a backward on
+the thread that called it): the members' backwards go down the layers together, each layer's
+weights read once per round, and gradients reach ``.grad`` in the members' order, as ordinary
+gradient accumulation adds them. On CUDA autograd runs backwards on a device thread of its own,
+so there the members' backwards run one after another (exact, without the shared reads).
+
 Because exactly one member runs at a time, in a fixed order, every micro-batch computes
 exactly what it would alone: the same kernels on the same inputs (``torch.equal`` to the
 resident model running the micro-batches one after another). Each member also has its own
@@ -28,6 +36,7 @@ its exception once every member has stopped. Ctrl-C in the calling thread does t
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -85,6 +94,9 @@ class Team(Generic[T]):
     """
 
     def __init__(self, calls: Sequence[Callable[[], T]], *, seeds: Sequence[int | None] | None = None) -> None:
+        # The caller's thread-local modes, which a new thread does not inherit: grad mode and autocast.
+        self._grad = torch.is_grad_enabled()
+        self._autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         if not calls:
             raise ValueError("a Team needs at least one member")
         if seeds is not None and len(seeds) != len(calls):
@@ -172,7 +184,11 @@ class Team(Generic[T]):
         try:
             with self._cond:
                 self._wait_turn(i)
-            self._results[i] = self._calls[i]()
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(torch.set_grad_enabled(self._grad))
+                for device_type, dtype in self._autocast:
+                    modes.enter_context(torch.autocast(device_type, dtype=dtype))
+                self._results[i] = self._calls[i]()
         except BaseException as exc:  # noqa: BLE001 - handed to run()
             if not isinstance(exc, TeamCancelled):
                 self._cancel(exc)

@@ -74,6 +74,7 @@ from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.base import Engine
 from gds_offload.io.posix import PosixEngine
 from gds_offload.io.select import choose_engine, make_engine
+from gds_offload.weights.accumulate import accumulate
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
@@ -260,7 +261,7 @@ class StreamedModel:
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             if self._ring is not None:
                 self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
-                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held, on_layer=self._backward_layer)
                 parent = (manifest.layer_prefix or "").rpartition(".")[0]
                 self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
@@ -280,6 +281,11 @@ class StreamedModel:
         """Generation over many prompts, several micro-batches per weight load:
         :func:`gds_offload.weights.generation.generate_many` (its arguments and reference)."""
         return generate_many(self, prompts, **kwargs)
+
+    def accumulate(self, batches: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """Gradient accumulation, several micro-batches per weight load in forward and backward:
+        :func:`gds_offload.weights.accumulate.accumulate` (its arguments and reference)."""
+        return accumulate(self, batches, **kwargs)
 
     def kv_engine(self) -> Engine:
         """The engine that moves KV caches to and from the drive (made at first use, closed with the model)."""
@@ -472,15 +478,30 @@ class StreamedModel:
     def _bind_shared(self, pos: int, module: nn.Module) -> None:
         """A team member's pre-hook, on its turn: layer ``pos`` is bound once per round, by the
         first member to reach it, and stays bound until the round of the next layer begins."""
-        assert self._prefetch is not None, "a streamed layer without a ring"
-        if torch.is_grad_enabled():
-            raise ConfigError("layer-major micro-batches run without grad here (inference); run them under torch.no_grad()")
+        assert self._prefetch is not None and self._saved is not None, "a streamed layer without a ring"
+        if torch.is_grad_enabled() and getattr(module, "gradient_checkpointing", False) and module.training:
+            raise ConfigError("layer-major micro-batches with gradient checkpointing are not supported; turn checkpointing off "
+                              "(the team already reads each layer once per round) or use one micro-batch per load")  # fmt: skip
         current = self._prefetch.current
         if current is not None and current[0] == pos:
+            if torch.is_grad_enabled():
+                self._saved.enter(pos, current[1])  # this member's saved weights, for its own backward
             return  # an earlier member of this round bound it: the same weights, no read
         if current is not None:
             self._release()  # the previous layer's round is over: every member has passed it
         self._bind(pos, module, recompute=False)
+
+    def _backward_layer(self, pos: int) -> None:
+        """A backward first needs layer ``pos``: a team member hands over (its backward of the layer
+        runs in the members' order, all on one read of it); the forward's last bound layer, which
+        every member has passed by then, is put back in the ring for the backward to copy."""
+        team = self._team
+        if team is None or not team.member():
+            return
+        team.arrive()
+        with held():
+            if self._prefetch is not None and self._prefetch.current is not None:
+                self._release()
 
     def run_team(self, calls: Sequence[Callable[[], Any]], *, seeds: Sequence[int | None] | None = None) -> list[Any]:
         """Run ``calls`` (each a micro-batch's whole computation on this model, e.g. its
@@ -531,7 +552,9 @@ class StreamedModel:
             if started is not None:
                 self._stats.compute_s[pos] += time.perf_counter() - started
             if self._team is not None and self._team.member():
-                return  # the layer stays bound for the other members of the round
+                if self._saved is not None:
+                    self._saved.exit()  # this member's hooks; the layer stays bound for the others
+                return
             changed = not self._release()
             self._end_layer()
         if changed and output is not None:
