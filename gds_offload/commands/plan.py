@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gds_offload.weights.planner import Generate, Plan, Profile
+    from gds_offload.weights.planner import Plan, Profile
+    from gds_offload.weights.workload import Workload
 
 HELP = "measure a weight store's model here and plan a workload's shape under a memory limit (micro-batches per weight load, KV placement, ...)"
 
@@ -27,10 +28,14 @@ HELP = "measure a weight store's model here and plan a workload's shape under a 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", type=Path, help="the weight store (gds-offload convert)")
     p.add_argument("--memory", required=True, help="the memory the run may use, e.g. 1.2GiB (on a GPU: its memory)")
-    p.add_argument("--workload", choices=["generate"], default="generate", help="what to plan (default generate)")
-    p.add_argument("--prompts", type=int, default=512, help="prompts to generate for (default 512)")
-    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--workload", choices=["generate", "finetune"], default="generate", help="what to plan (default generate)")
+    p.add_argument("--prompts", type=int, default=512, help="generate: prompts to generate for (default 512)")
+    p.add_argument("--prompt-len", type=int, default=64, help="generate: tokens per prompt (default 64)")
+    p.add_argument("--new-tokens", type=int, default=32, help="generate: tokens to generate per prompt (default 32)")
+    p.add_argument("--sequences", type=int, default=1024, help="finetune: sequences to train on (default 1024)")
+    p.add_argument("--seq", type=int, default=256, help="finetune: tokens per sequence (default 256)")
+    p.add_argument("--global-batch", type=int, default=64, help="finetune: sequences per optimizer step (default 64)")
+    p.add_argument("--lora-r", type=int, default=8, help="finetune: LoRA rank, adapters on every linear layer (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--engine", default="auto", help="the reads' engine: auto (default), gds, compat, posix")
     p.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
@@ -41,13 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gds_offload.errors import ConfigError, OffloadError
     from gds_offload.units import parse_bytes
-    from gds_offload.weights.planner import Generate, check_feasible, choose
+    from gds_offload.weights.planner import Finetune, Generate, check_feasible, choose
 
     try:
         memory = parse_bytes(args.memory, name="--memory")
         if memory <= 0:
             raise ConfigError("--memory=0: give the memory the run may use, e.g. 1.2GiB")
-        workload = Generate(args.prompts, args.prompt_len, args.new_tokens)
+        workload = (Finetune(args.sequences, args.seq, args.global_batch, args.lora_r) if args.workload == "finetune"
+                    else Generate(args.prompts, args.prompt_len, args.new_tokens))  # fmt: skip
         check_feasible(args.store, workload, memory)
         profile = _measure(args, workload)
         plan = choose(profile, workload, memory)
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, workload: Generate) -> Profile:
+def _measure(args: argparse.Namespace, workload: Workload) -> Profile:
     from rich.console import Console
 
     from gds_offload.weights.measure import measure
@@ -92,14 +98,21 @@ def _render(plan: Plan) -> None:
     console = Console()
     p = plan.profile
     console.print(f"[bold]plan[/bold]: {plan.describe()}")
-    console.print(f"measured: read {p.read_Bps / 1e9:.2f} GB/s; a layer {format_bytes(p.layer_nbytes)}: prefill "
-                  f"{p.prefill.per_row * 1e3:.3f} ms/token, decode {p.decode.fixed * 1e3:.1f} ms + {p.decode.per_row * 1e3:.3f} ms/sequence; "
-                  f"base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
-    t = Table(title="the choice, and the best plan at each micro-batch size and KV placement")
-    for col in ("shape", "resident+slots", "KV", "chunk", "tok/s", "peak", "bound", ""):
-        t.add_column(col, justify="left" if col in ("shape", "KV", "bound", "") else "right")
+    if p.train_forward.per_row:
+        console.print(f"measured: read {p.read_Bps / 1e9:.2f} GB/s; a layer {format_bytes(p.layer_nbytes)}: forward "
+                      f"{p.train_forward.per_row * 1e3:.3f} ms/token, backward {p.train_backward.per_row * 1e3:.3f} ms/token, "
+                      f"{format_bytes(p.saved_nbytes)} saved per token; base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
+    else:
+        console.print(f"measured: read {p.read_Bps / 1e9:.2f} GB/s; a layer {format_bytes(p.layer_nbytes)}: prefill "
+                      f"{p.prefill.per_row * 1e3:.3f} ms/token, decode {p.decode.fixed * 1e3:.1f} ms + {p.decode.per_row * 1e3:.3f} ms/sequence; "
+                      f"base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
+    from gds_offload.weights.planner import variant
+
+    t = Table(title="the choice, and the best plan at each micro-batch size and variant")
+    for col in ("shape", "resident+slots", "variant", "chunk", "tok/s", "peak", "bound", ""):
+        t.add_column(col, justify="left" if col in ("shape", "variant", "bound", "") else "right")
     for e, why in [(plan.predicted, "chosen"), *plan.alternatives]:
         c = e.choice
-        t.add_row(f"{c.per_load} x {c.micro_batch}", f"{c.resident_layers}+{c.slots}", c.kv.value, str(c.prefill_chunk or "-"),
+        t.add_row(f"{c.per_load} x {c.micro_batch}", f"{c.resident_layers}+{c.slots}", variant(plan.workload, c), str(c.prefill_chunk or "-"),
                   f"{e.tokens_per_s:.1f}", format_bytes(e.peak_nbytes), e.bound, "chosen" if why == "chosen" else ("slower" if e.fits else "over memory"))  # fmt: skip
     console.print(t)

@@ -251,8 +251,12 @@ class _Drift:
         self.scale *= measured_s / predicted
         c = self.plan.choice
         longest = max(len(prompts[i]) for i in rest)
-        new = choose(self.plan.profile.scaled(self.scale), Generate(len(rest), longest, self.max_new_tokens), self.plan.memory_nbytes,
-                     ring=(c.resident_layers, c.slots))  # fmt: skip
+        try:
+            new = choose(self.plan.profile.scaled(self.scale), Generate(len(rest), longest, self.max_new_tokens), self.plan.memory_nbytes,
+                         ring=(c.resident_layers, c.slots))  # fmt: skip
+        except ConfigError as exc:  # nothing else fits beside the loaded ring: go on as planned
+            self.lm.note_replan(f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned; kept the plan ({exc})")
+            return None
         self.lm.note_replan(f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned ({measured_s / predicted:.2f}x): "
                             f"the last {len(rest)} prompts run as {new.describe()}")  # fmt: skip
         self.plan = new

@@ -32,7 +32,7 @@ import torch
 from gds_offload.errors import ConfigError
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
-from gds_offload.weights.planner import Fit, Generate, Profile
+from gds_offload.weights.workload import Finetune, Fit, Profile, Workload
 
 __all__ = ["measure", "main"]
 
@@ -41,7 +41,7 @@ _TIMEOUT_S = 600
 
 def measure(
     store: str | os.PathLike[str],
-    workload: Generate,
+    workload: Workload,
     *,
     device: str = "cpu",
     engine: str = "auto",
@@ -52,8 +52,11 @@ def measure(
     Raises:
         ConfigError: the child failed (its last line of output is in the message).
     """
-    spec = {"store": os.fspath(store), "device": device, "engine": engine, "prompt_len": workload.prompt_len,
-            "new_tokens": workload.new_tokens, "prompts": workload.prompts}  # fmt: skip
+    spec: dict[str, Any] = {"store": os.fspath(store), "device": device, "engine": engine}
+    if isinstance(workload, Finetune):
+        spec |= {"kind": "finetune", "seq": workload.seq, "global_batch": workload.global_batch, "lora_r": workload.lora_r}
+    else:
+        spec |= {"kind": "generate", "prompt_len": workload.prompt_len, "new_tokens": workload.new_tokens, "prompts": workload.prompts}
     cmd = [sys.executable, "-m", "gds_offload.weights.measure", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result: dict[str, Any] | None = None
@@ -81,8 +84,11 @@ def measure(
 
 def profile_from(d: dict[str, Any]) -> Profile:
     """A :class:`Profile` from its JSON form (``asdict``)."""
-    fits = {k: Fit(**d[k]) for k in ("prefill", "decode", "head")}
-    return Profile(**(d | fits))
+    fields: dict[str, Any] = dict(d)
+    for k in ("prefill", "decode", "head", "train_forward", "train_backward"):
+        if k in fields:
+            fields[k] = Fit(**fields[k])
+    return Profile(**fields)
 
 
 # -- the child -------------------------------------------------------------------------------------
@@ -122,10 +128,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     predictable_malloc()  # as generate_many runs: the memory measured is the memory held
     store = Path(spec["store"])
     device = torch.device(spec["device"])
-    prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
     cfg = transformers.AutoConfig.from_pretrained(store)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if spec.get("kind") == "finetune":
+        return _finetune_child(spec, skeleton, cfg, store, device)
+    prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
     _emit("progress", what="loading the resident group")
     lm = load_streamed(skeleton, store, device=device, slots=2, engine=spec["engine"])
     stats = lm.stats()
@@ -202,6 +210,97 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _raise_stop() -> None:
     raise _Stop
+
+
+class _StopWith(Exception):
+    """Raised in the third streamed layer's pre-hook with the hidden states it was given."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("stop")
+        self.hidden = hidden
+
+
+def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device) -> dict[str, Any]:
+    """The fine-tuning profile: LoRA of rank ``lora_r`` on every linear layer of the decoder; one
+    layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens."""
+    import peft
+
+    from gds_offload.weights import load_streamed
+
+    seq = spec["seq"]
+    model = peft.get_peft_model(skeleton, peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"))
+    _emit("progress", what="loading the resident group and the adapters")
+    lm = load_streamed(model, store, device=device, slots=2, engine=spec["engine"])
+    stats = lm.stats()
+    if len(stats.streamed_layers) < 3:
+        raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
+    lm.settle()
+    reset, peak = _device_peak(device)
+    ring = stats.slots * stats.slot_nbytes
+    base = (_rss("VmRSS") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
+    _emit("progress", what="reading layers from the drive")
+    nbytes, seconds = lm.read_layers(3)
+    text = cfg.get_text_config(decoder=True)
+    vocab = text.vocab_size
+    dtype = next(p.dtype for p in lm.model.parameters() if p.dtype.is_floating_point)
+    stop = lm.layer_modules()[2].register_forward_pre_hook(_stop_with, with_kwargs=True)
+    forward, backward, saved_per, transient = [], [], [], []
+    lm.model.train()
+    for b in (1, 1, 2):  # the first run warms up
+        _emit("progress", what=f"forward and backward of {b} x {seq} tokens")
+        ids = torch.randint(0, vocab, (b, seq), device=device)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            if t.layout == torch.strided and not t.is_meta:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        before = lm.stats().compute_s
+        rss0 = peak() if device.type == "cuda" else _rss("VmRSS")
+        reset()
+        hidden = None
+        call: Any = lm.model
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            try:
+                call(input_ids=ids)
+            except _StopWith as exc:
+                hidden = exc.hidden
+        assert hidden is not None, "the profile's stop did not run"
+        after = lm.stats().compute_s
+        start = time.perf_counter()
+        hidden.float().square().mean().backward()
+        bwd = time.perf_counter() - start
+        mem = max(peak() - rss0, 0)
+        tokens = b * seq
+        forward.append((tokens, (after[0] - before[0] + after[1] - before[1]) / 2))
+        backward.append((tokens, bwd / 2))
+        saved_per.append(sum(saved.values()) / (2 * tokens))
+        transient.append(max(mem - sum(saved.values()), 0) / tokens)
+        lm.model.zero_grad(set_to_none=True)
+    stop.remove()
+    forward, backward = forward[1:], backward[1:]
+    head = _time_head(call, cfg, dtype, device, sizes=[64, 256])
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = 2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    trainable = sum(p.numel() * p.element_size() for p in lm.model.parameters() if p.requires_grad)
+    lm.close()
+    zero = {"fixed": 0.0, "per_row": 0.0}
+    return {
+        "device": str(device), "layers": text.num_hidden_layers, "layer_nbytes": stats.slot_nbytes, "resident_nbytes": stats.resident_nbytes,
+        "hidden_nbytes": text.hidden_size * dtype.itemsize, "kv_nbytes": kv, "kv_record_nbytes": kv, "logits_nbytes": vocab * 4,
+        "read_Bps": nbytes / seconds, "base_nbytes": base, "prefill": zero, "decode": zero, "head": vars(Fit.through(head)),
+        "prefill_transient_nbytes": 0.0, "decode_transient_nbytes": 0.0,
+        "train_forward": vars(Fit.through(forward)), "train_backward": vars(Fit.through(backward)),
+        "saved_nbytes": max(saved_per[1:]), "train_transient_nbytes": max(transient[1:]), "trainable_nbytes": trainable,
+        "measured": {"forward": forward, "backward": backward, "saved_per_token": saved_per, "transient_per_token": transient,
+                     "head": head, "read": [nbytes, seconds]},
+    }  # fmt: skip
+
+
+def _stop_with(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    raise _StopWith(args[0] if args else kwargs["hidden_states"])
 
 
 def _random_cache(cfg: Any, batch: int, positions: int, dtype: torch.dtype, device: torch.device) -> Any:
