@@ -32,7 +32,7 @@ import torch
 from gds_offload.errors import ConfigError
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
-from gds_offload.weights.workload import Finetune, Fit, Profile, Workload
+from gds_offload.weights.workload import Finetune, Fit, Profile, Workload, profile_from
 
 __all__ = ["measure", "main"]
 
@@ -80,15 +80,6 @@ def measure(
         last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise ConfigError(f"measuring {store} failed: {last[0]}")
     return profile_from(result)
-
-
-def profile_from(d: dict[str, Any]) -> Profile:
-    """A :class:`Profile` from its JSON form (``asdict``)."""
-    fields: dict[str, Any] = dict(d)
-    for k in ("prefill", "decode", "head", "train_forward", "train_backward"):
-        if k in fields:
-            fields[k] = Fit(**fields[k])
-    return Profile(**fields)
 
 
 # -- the child -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes, parse_bytes
 from gds_offload.weights.cost import estimate, estimate_finetune, peak_finetune, peak_nbytes
 from gds_offload.weights.options import KVPlacement
-from gds_offload.weights.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload
+from gds_offload.weights.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from
 
 __all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "check_feasible", "choose", "estimate", "plan", "variant"]
 
@@ -68,6 +68,20 @@ class Plan:
         out = asdict(self)
         out["choice"] = asdict(self.choice)
         return _jsonable(out)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan :meth:`as_dict` (``gds-offload plan --out``) wrote."""
+        def est(e: dict[str, Any]) -> Estimate:
+            c = dict(e["choice"])
+            c["kv"] = KVPlacement(c["kv"])
+            return Estimate(**(e | {"choice": Choice(**c)}))
+
+        w = d["workload"]
+        workload: Workload = Finetune(**w) if w.get("kind") == "finetune" else Generate(**w)
+        alternatives = tuple((est(e), why) for e, why in d.get("alternatives", []))
+        curve = tuple((str(n), int(s), float(t), bool(f)) for n, s, t, f in d.get("curve", []))
+        return cls(workload, d["memory_nbytes"], profile_from(d["profile"]), est(d["predicted"]), alternatives, curve)
 
     def describe(self) -> str:
         """One line: the choice, its prediction and its bound."""

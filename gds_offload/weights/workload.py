@@ -9,7 +9,7 @@ from typing import Any, Literal
 from gds_offload.errors import ConfigError
 from gds_offload.weights.options import KVPlacement
 
-__all__ = ["Bound", "Choice", "Estimate", "Finetune", "Fit", "Generate", "HEADROOM", "Profile", "Workload"]
+__all__ = ["profile_from", "Bound", "Choice", "Estimate", "Finetune", "Fit", "Generate", "HEADROOM", "Profile", "Workload"]
 
 Bound = Literal["compute", "drive", "memory"]
 #: The share of ``memory`` a plan may fill: the rest is headroom for what the model cannot predict
@@ -164,3 +164,10 @@ class Estimate:
         return self.prefill_s + self.decode_s
 
 
+def profile_from(d: dict[str, Any]) -> Profile:
+    """A :class:`Profile` from its JSON form (``asdict``)."""
+    fields: dict[str, Any] = dict(d)
+    for k in ("prefill", "decode", "head", "train_forward", "train_backward"):
+        if k in fields:
+            fields[k] = Fit(**fields[k])
+    return Profile(**fields)
