@@ -1,4 +1,4 @@
-"""Streaming a model's layers from a weight store for inference: :func:`load_streamed`.
+"""Streaming a model's layers from a weight store, for inference and LoRA fine-tuning: :func:`load_streamed`.
 
 The resident group (embeddings, final norm, ``lm_head``) and the first
 ``resident_layers`` layers are read once and become the model's tensors, on ``device``.
@@ -49,6 +49,13 @@ checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.rec
    thread calling the model meanwhile gets :class:`OffloadError` at once
    (:mod:`gds_offload.weights.turn`). A streamed layer's parameters are meta tensors outside
    its forward, and ``requires_grad=False`` during it: they are never trained.
+
+Layer-major teams (:meth:`StreamedModel.run_team`, under :meth:`StreamedModel.generate_many`
+and :meth:`StreamedModel.accumulate`): several micro-batches, one thread each, run one at a
+time and hand over at every streamed layer's pre-hook (:mod:`gds_offload.weights.schedule`);
+the first member to reach layer ``k`` binds it, the others compute with the same slot, and the
+first to reach layer ``k + 1`` releases ``k`` (every member has passed it by then). The team's
+threads count as the model's one forward (:mod:`gds_offload.weights.turn`).
 
 Interruptions: the hooks and the pass through the decoder hold stop signals
 (:mod:`gds_offload.weights.interrupts`) and deliver them where the ring is consistent; a
