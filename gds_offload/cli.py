@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "convert": "gds_offload.commands.convert",
     "bench-weights": "gds_offload.commands.bench_weights",
     "bench-finetune": "gds_offload.commands.bench_finetune",
+    "plan": "gds_offload.commands.plan",
     "report": "gds_offload.commands.report",
     "shards": "gds_offload.commands.shards",
 }

@@ -6,6 +6,10 @@ KvikIO/GPUDirect Storage) while the previous layer computes.
 * :func:`load_streamed` -> :class:`StreamedModel`: a meta-device skeleton whose layers stream from a store.
 * :func:`read_manifest`, :class:`Manifest`: where every tensor lies, and its checksums.
 * :func:`as_reference`: the resident model a streamed one is bit-identical to.
+* :func:`plan` (``gds-offload plan``): measure the model here and choose the shape of a workload
+  (:class:`Generate`) under a memory limit: a :class:`Plan`; ``load_streamed(..., plan=)``,
+  :meth:`StreamedModel.generate_many` (layer-major: several micro-batches per weight load).
+* :func:`from_pretrained`: convert if needed, plan, and stream, in one call.
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ from gds_offload.weights.errors import (
     WeightsMismatchError,
 )
 from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.measure import plan
+from gds_offload.weights.planner import Generate, Plan
+from gds_offload.weights.pretrained import from_pretrained
 from gds_offload.weights.reference import as_reference
 from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 
@@ -29,6 +36,10 @@ __all__ = [
     "StreamedModel",
     "StreamStats",
     "as_reference",
+    "plan",
+    "Plan",
+    "Generate",
+    "from_pretrained",
     "read_manifest",
     "config_fingerprint",
     "Manifest",

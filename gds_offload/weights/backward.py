@@ -75,10 +75,17 @@ class SavedWeights:
         groups: the streamed layers, in order (``pos`` indexes them).
         describe: names the model for errors (its store).
         held: a layer's bytes copied out of the slot still holding them, or ``None`` (read them).
+        on_layer: ``on_layer(pos)``, on the thread running a backward, when that backward first needs
+            layer ``pos`` (before its bytes are fetched): where a layer-major team hands over.
     """
 
-    def __init__(self, ring: Ring, groups: list[GroupEntry], describe: str, *, held: Callable[[int], torch.Tensor | None]) -> None:
+    def __init__(
+        self, ring: Ring, groups: list[GroupEntry], describe: str, *, held: Callable[[int], torch.Tensor | None],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
         self._ring, self._groups, self._describe, self._held = ring, groups, describe, held
+        self._on_layer = on_layer
+        self._last: dict[int, int] = {}  # thread -> the layer its backward last needed
         # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
         self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
         self._layer: tuple[int, int] | None = None  # (pos, slot) of the layer whose forward is running
@@ -127,6 +134,7 @@ class SavedWeights:
         """Drop the fetched layers held for backward (their views stay valid while autograd holds them)."""
         with self._lock:
             self._fetched.clear()
+            self._last.clear()
 
     def close(self) -> None:
         """After this, backward through a layer saved earlier raises :class:`OffloadError`."""
@@ -164,6 +172,11 @@ class SavedWeights:
         """Layer ``pos``'s bytes, read again (or copied); starts reading (or copying) the layer below it.
         Stop signals are held while the lock is (a ``KeyboardInterrupt`` between acquiring it and
         arming its release would leave it held for good), and delivered during the read's wait."""
+        if self._on_layer is not None:
+            me = threading.get_ident()
+            if self._last.get(me) != pos:
+                self._last[me] = pos
+                self._on_layer(pos)
         with held():
             return self._fetch(pos)()
 

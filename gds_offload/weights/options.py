@@ -9,6 +9,7 @@ or taken as true).
 from __future__ import annotations
 
 import difflib
+import enum
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,15 @@ import torch
 from gds_offload.errors import ConfigError
 from gds_offload.units import checked_bool, checked_int, parse_bytes
 
-__all__ = ["StreamOptions", "Tier", "TIERS", "resolve_device"]
+__all__ = ["KVPlacement", "StreamOptions", "Tier", "TIERS", "resolve_device"]
+
+class KVPlacement(str, enum.Enum):
+    """Where the KV caches of layer-major micro-batches live between the layers that use them
+    (:mod:`gds_offload.weights.kv`)."""
+
+    DEVICE = "device"  #: Hugging Face's own DynamicCache, on the model's device
+    DRIVE = "drive"  #: a KVPool's regions in a spill file, read back per layer
+
 
 Tier = Literal["drive", "host"]
 TIERS: tuple[Tier, ...] = ("drive", "host")

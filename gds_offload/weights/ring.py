@@ -28,6 +28,7 @@ copied out of the slot still holding it) belongs to whoever holds it.
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +113,13 @@ class Ring:
         self.release(slot)
         return buf
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A buffer like the slots (page-aligned host memory, or 4 KiB-aligned device memory), every
+        page touched once, as a slot's are after its first fill (for timing reads as the ring sees them)."""
+        buf = self._new_buffer(nbytes)
+        buf.zero_()
+        return buf
+
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of memory of its own where the slots are: page-aligned on the host, 4 KiB-aligned on a GPU."""
         device = self.buffers[0].device
@@ -121,7 +129,8 @@ class Ring:
         """Start reading ``group`` into a new buffer on the ring's device, outside the slots;
         returns at once. The returned waiter blocks until the bytes are there (raising as
         :meth:`wait` does, and again on every call after a failure) and returns the buffer
-        (uint8, ``group.padded_nbytes``, page-aligned), visible to every stream. Any thread."""
+        (uint8, ``group.padded_nbytes``, page-aligned), ready for the stream current where the
+        waiter is called (on a GPU the waiter orders that stream after the copy). Any thread."""
         raise NotImplementedError(f"{type(self).__name__} cannot read a layer outside its slots")
 
 
@@ -185,8 +194,7 @@ class DeviceRing(HostRing):
     def __init__(self, engine: Engine, files: StoreFiles, buffers: list[torch.Tensor], *, verify: bool, device: torch.device) -> None:
         super().__init__(engine, files, buffers, verify=verify)
         self.device = device
-        # An event never recorded is complete: synchronizing on it returns at once.
-        self._released = [torch.cuda.Event() for _ in buffers]
+        self._released = _allocated(buffers, device)
 
     def start(self, group: GroupEntry, pos: int, slot: int) -> Fill:
         ready = self._released[slot]
@@ -223,7 +231,7 @@ class PinnedRing(Ring):
         self.pinned = _pin(arena)
         self.host_nbytes = arena.numel()
         self._side = torch.cuda.Stream(device=device)
-        self._released = [torch.cuda.Event() for _ in buffers]
+        self._released = _allocated(buffers, device)
         self._filled = [torch.cuda.Event() for _ in buffers]
         self._closed = False
 
@@ -246,9 +254,24 @@ class PinnedRing(Ring):
         self._released[slot].record(torch.cuda.current_stream(self.device))
 
     def fetch(self, group: GroupEntry) -> Callable[[], torch.Tensor]:
+        """The copy starts now, on the side stream, after what the compute stream has queued (the
+        caching allocator may hand out memory a queued kernel still reads), so the layer below is
+        copied while backward computes this one; the waiter makes the compute stream wait for it."""
         base = self.bases[group.name]
-        # A synchronous copy from the arena: done when it returns, for every stream.
-        return lambda: self.arena[base : base + group.padded_nbytes].to(self.device)
+        buf = self._new_buffer(group.padded_nbytes)
+        ready, done = torch.cuda.Event(), torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            buf.copy_(self.arena[base : base + group.padded_nbytes], non_blocking=True)
+            done.record(self._side)
+
+        def wait() -> torch.Tensor:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            buf.record_stream(torch.cuda.current_stream(self.device))  # used there: not reused before its kernels finish
+            return buf
+
+        return wait
 
     def close(self) -> None:
         if self._closed:
@@ -259,11 +282,40 @@ class PinnedRing(Ring):
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
 
 
+def _allocated(buffers: list[torch.Tensor], device: torch.device) -> list[Any]:
+    """One release event per slot, recorded now on the stream that allocated the slots: a slot's
+    first fill (a cuFile DMA, a side-stream copy) is ordered after whatever that stream still had
+    queued on the memory the caching allocator handed out."""
+    events = []
+    for _ in buffers:
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(device))
+        events.append(e)
+    return events
+
+
+def _clear_last_cuda_error(cudart: Any) -> None:
+    """Reset the CUDA runtime's last error: a failed ``cudaHostRegister`` leaves it set, and
+    torch's next launch check would report it as its own. Torch's ``cudart()`` binding may lack
+    ``cudaGetLastError``; the runtime torch loaded globally has it."""
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+        return
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass  # no global libcudart: the error stays set, as it would without this call
+
+
 def _pin(arena: torch.Tensor) -> bool:
     """Page-lock ``arena`` in place (one registration, no power-of-two rounding as with
-    ``pin_memory=True``); ``False`` with a warning if CUDA refuses."""
-    err = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+    ``pin_memory=True``); ``False`` with a warning if CUDA refuses (its error is cleared, so the
+    next kernel launch does not report it as its own)."""
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
     if err:
+        _clear_last_cuda_error(cudart)
         warnings.warn(
             f"cudaHostRegister of the {arena.numel()} byte host tier failed (cudaError {err}); copies to the GPU "
             f"will be synchronous. Raise the locked-memory limit (ulimit -l) or use tier='drive'",

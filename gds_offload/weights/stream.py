@@ -1,4 +1,4 @@
-"""Streaming a model's layers from a weight store for inference: :func:`load_streamed`.
+"""Streaming a model's layers from a weight store, for inference and LoRA fine-tuning: :func:`load_streamed`.
 
 The resident group (embeddings, final norm, ``lm_head``) and the first
 ``resident_layers`` layers are read once and become the model's tensors, on ``device``.
@@ -50,6 +50,13 @@ checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.rec
    (:mod:`gds_offload.weights.turn`). A streamed layer's parameters are meta tensors outside
    its forward, and ``requires_grad=False`` during it: they are never trained.
 
+Layer-major teams (:meth:`StreamedModel.run_team`, under :meth:`StreamedModel.generate_many`
+and :meth:`StreamedModel.accumulate`): several micro-batches, one thread each, run one at a
+time and hand over at every streamed layer's pre-hook (:mod:`gds_offload.weights.schedule`);
+the first member to reach layer ``k`` binds it, the others compute with the same slot, and the
+first to reach layer ``k + 1`` releases ``k`` (every member has passed it by then). The team's
+threads count as the model's one forward (:mod:`gds_offload.weights.turn`).
+
 Interruptions: the hooks and the pass through the decoder hold stop signals
 (:mod:`gds_offload.weights.interrupts`) and deliver them where the ring is consistent; a
 read that fails frees its slot only once it has finished; a forward that ends in any
@@ -67,22 +74,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine
 from gds_offload.io.factory import make_engine
 from gds_offload.io.release import release_when_collected
+from gds_offload.node.choice import choose_engine
+from gds_offload.weights.accumulate import accumulate
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
-from gds_offload.weights.interrupts import deliver, held
+from gds_offload.weights.generation import ManyOutput, generate_many
+from gds_offload.weights.interrupts import held
+from gds_offload.weights.layer_hooks import LayerHooks
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
 from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
+from gds_offload.weights.planner import Plan
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
-from gds_offload.weights.ring import Ring, make_read_engine, make_ring
-from gds_offload.weights.storefile import StoreFiles, resolve_dirs
+from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
+from gds_offload.weights.schedule import Team
+from gds_offload.weights.storefile import StoreFiles, read_group, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
 
@@ -100,12 +113,13 @@ def load_streamed(
     *,
     device: str | torch.device = "cpu",
     tier: Tier = "drive",
-    slots: int = 2,
+    slots: int | None = None,
     resident_layers: int | None = None,
     max_memory: int | str | None = None,
     verify: bool = False,
     engine: str = "auto",
     num_threads: int | None = None,
+    plan: Plan | None = None,
 ) -> StreamedModel:
     """Give a model skeleton (built on the meta device) its weights from a store, streaming its layers.
 
@@ -117,8 +131,8 @@ def load_streamed(
         device: where the model computes: ``"cpu"`` or a CUDA device.
         tier: ``"drive"``: layers are read from the store for every forward; ``"host"``: all
             layers are read once into host memory (pinned, and copied into the ring on a GPU).
-        slots: ring buffers for streamed layers (``>= 1``; 2 overlaps one fill with one layer's
-            compute; capped at the number of streamed layers).
+        slots: ring buffers for streamed layers (``>= 1``; default 2, or the plan's: 2 overlaps one
+            fill with one layer's compute; capped at the number of streamed layers).
         resident_layers: how many of the first layers to keep on ``device`` like the resident group
             (default 0, or what ``max_memory`` allows).
         max_memory: bytes (or ``"6GiB"``) of ``device`` memory for weights: the resident group, the
@@ -129,6 +143,9 @@ def load_streamed(
         engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
             compat, else posix), ``gds``, ``compat``, ``posix``.
         num_threads: engine threads doing the reads (``None``: 4 on the CPU, the engine's default on a GPU).
+        plan: a :class:`~gds_offload.weights.planner.Plan` (:func:`~gds_offload.weights.planner.plan`): its
+            ``slots`` and ``resident_layers`` (an explicit argument that differs is refused), kept for
+            :meth:`StreamedModel.generate_many`.
 
     Returns:
         A :class:`StreamedModel`; close it (or use it as a context manager) to stop the reads.
@@ -139,12 +156,27 @@ def load_streamed(
         StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
-    options = StreamOptions.from_kwargs(device=device, tier=tier, slots=slots, resident_layers=resident_layers,
+    if plan is not None:
+        slots, resident_layers = _from_plan(plan, slots=slots, resident_layers=resident_layers, max_memory=max_memory)
+    options = StreamOptions.from_kwargs(device=device, tier=tier, slots=2 if slots is None else slots, resident_layers=resident_layers,
                                         max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
-    return StreamedModel(model, store, options)
+    lm = StreamedModel(model, store, options)
+    lm.plan = plan
+    return lm
 
 
-class StreamedModel:
+def _from_plan(plan: Plan, *, slots: int | None, resident_layers: int | None, max_memory: object) -> tuple[int, int]:
+    """``(slots, resident_layers)`` of ``plan``; an explicit argument must agree with it."""
+    c = plan.choice
+    for name, given, planned in (("slots", slots, c.slots), ("resident_layers", resident_layers, c.resident_layers)):
+        if given is not None and given != planned:
+            raise ConfigError(f"{name}={given} differs from the plan's {name}={planned}; pass one or the other")
+    if max_memory is not None:
+        raise ConfigError("max_memory= and plan= both choose the resident layers; pass one or the other")
+    return c.slots, c.resident_layers
+
+
+class StreamedModel(LayerHooks):
     """A model whose layers stream from a weight store (see :func:`load_streamed`).
 
     Call it like the model (``handle(input_ids)``, ``handle.generate(...)``) or use ``handle.model``.
@@ -186,6 +218,11 @@ class StreamedModel:
         self._layer_turn = False  # the current layer took the turn itself (called outside a pass)
         self._recompute = Recompute(self._bind_for_recompute, self._release_after_recompute)
         self._pass: PassForward | None = None
+        self._team: Team[Any] | None = None  # the layer-major team running, if any
+        self._kv_engine: Engine | None = None
+        #: The plan :func:`load_streamed` applied (``generate_many`` takes its shape from it), or ``None``.
+        self.plan: Plan | None = None
+        self._started: dict[int, float] = {}  # thread -> when its current layer's forward began
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
@@ -221,6 +258,7 @@ class StreamedModel:
                 host_nbytes=self._ring.host_nbytes if self._ring else 0,
                 loads=[0] * len(self._streamed),
                 reads=[0] * len(self._streamed),
+                compute_s=[0.0] * len(self._streamed),
             )
             # Register.
             for pos, layer in enumerate(self._layers):
@@ -228,7 +266,7 @@ class StreamedModel:
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             if self._ring is not None:
                 self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
-                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held, on_layer=self._backward_layer)
                 parent = (manifest.layer_prefix or "").rpartition(".")[0]
                 self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
@@ -244,12 +282,61 @@ class StreamedModel:
         """``self.model.generate(...)`` (Hugging Face models)."""
         return self.model.generate(*args, **kwargs)  # type: ignore[operator]
 
+    def generate_many(self, prompts: Any, **kwargs: Any) -> ManyOutput:
+        """Generation over many prompts, several micro-batches per weight load:
+        :func:`gds_offload.weights.generation.generate_many` (its arguments and reference)."""
+        return generate_many(self, prompts, **kwargs)
+
+    def accumulate(self, batches: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """Gradient accumulation, several micro-batches per weight load in forward and backward:
+        :func:`gds_offload.weights.accumulate.accumulate` (its arguments and reference)."""
+        return accumulate(self, batches, **kwargs)
+
+    def kv_engine(self) -> Engine:
+        """The engine that moves KV caches to and from the drive (made at first use, closed with the model)."""
+        if self._kv_engine is None:
+            mode = "posix" if self.device.type == "cpu" else choose_engine("auto", self._dirs[0], device="cuda").engine
+            self._kv_engine = make_engine(mode)
+            self._res.insert(1, self._kv_engine)  # closed after the ring, before the files
+        return self._kv_engine
+
+    def layer_modules(self) -> list[nn.Module]:
+        """The streamed layers, in order."""
+        return list(self._layers)
+
+    def read_layers(self, count: int) -> tuple[int, float]:
+        """Read the first ``count`` streamed layers from the store through the ring's engine, one
+        after another, into one buffer of the ring's kind outside the ring (touched once before, as
+        a slot is); ``(bytes, seconds)``. The ring's fills are settled first, so the drive does
+        nothing else meanwhile."""
+        ring = self._ring
+        if ring is None or not self._streamed or not isinstance(ring, HostRing):
+            raise ConfigError("this StreamedModel reads no layer from the drive per forward (tier='host', or none streamed)")
+        with held(), self._turn.holding(wait=True):
+            self.settle()
+            groups = self._streamed[:count]
+            buf = ring.scratch(max(g.padded_nbytes for g in groups))
+            start = time.perf_counter()
+            for g in groups:
+                wait_read(g, read_group(ring.engine, self._files, g, buf, verify=False))
+            return sum(g.padded_nbytes for g in groups), time.perf_counter() - start
+
+    def note_replan(self, why: str) -> None:
+        """Record that ``generate_many`` planned again, and why (``stats().replans``)."""
+        self._stats.replans.append(why)
+
+    def note_kv(self, bytes_read: int, bytes_written: int) -> None:
+        """Count KV-cache traffic (by :func:`~gds_offload.weights.generation.generate_many`)."""
+        self._stats.kv_bytes_read += bytes_read
+        self._stats.kv_bytes_written += bytes_written
+
     def stats(self) -> StreamStats:
         """A copy of the counters."""
         s = self._stats
         again = list(self._saved.reads) if self._saved else []
         copied = list(self._saved.copies) if self._saved else []
-        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "backward_reads": again, "backward_copies": copied}))
+        return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "compute_s": list(s.compute_s),
+                                           "replans": list(s.replans), "backward_reads": again, "backward_copies": copied}))  # fmt: skip
 
     @property
     def closed(self) -> bool:
@@ -327,131 +414,6 @@ class StreamedModel:
     def _slot_views(self, g: GroupEntry, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         # Made once, at load (outside any inference_mode), and reused every forward.
         return [(n, self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
-
-    # -- hooks ----------------------------------------------------------------------------
-    # Each runs with stop signals held (interrupts.held) and delivers them only where the ring is
-    # consistent: its first line, and the waits for reads (which change nothing until they return).
-    def _run_pass(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The decoder's forward (:class:`~gds_offload.weights.turn.PassForward`): one pass at a
-        time; however it ends (``KeyboardInterrupt`` too), no layer is left bound."""
-        with held():
-            self._turn.enter(wait=False)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self._end_layer()
-                self._turn.exit()
-
-    def _pre(self, pos: int, module: nn.Module, args: Any, *, recompute: bool = False) -> None:
-        with held():
-            deliver()
-            if self._closed:
-                raise OffloadError(f"the StreamedModel of {self._dirs[0]} is closed; load the store again (load_streamed)")
-            if not self._turn.owned():  # a layer called on its own, or a recompute on backward's thread
-                self._turn.enter(wait=recompute)
-                self._layer_turn = True
-            try:
-                self._bind(pos, module, recompute=recompute)
-            except BaseException as exc:
-                # torch runs the post-hook after an Exception only, and it frees nothing unless a layer is bound.
-                if not isinstance(exc, Exception) or self._prefetch is None or self._prefetch.current is None:
-                    self._end_layer()
-                raise
-
-    def _bind(self, pos: int, module: nn.Module, *, recompute: bool) -> None:
-        """The pre-hook's work, on the thread holding the turn: wait for layer ``pos``'s fill and bind it."""
-        assert self._prefetch is not None and self._ring is not None and self._saved is not None, "a streamed layer without a ring"
-        self._end_layer(keep_turn=True)  # the previous layer's forward raised: its post-hook never ran
-        checkpointed = not recompute and torch.is_grad_enabled() and module.training and getattr(module, "gradient_checkpointing", False)
-        if checkpointed:
-            self._recompute.wrap(pos, module)  # backward will run this layer's forward without our hooks
-        # Recomputes go down the layers, as backward does; a recompute, and a forward with grad mode
-        # on (its backward, or a checkpointed forward's recompute), are each followed by a pass the other way.
-        fill = self._prefetch.next_fill(pos, direction=-1 if recompute else 1, turns=recompute or torch.is_grad_enabled())
-        if not fill.held:
-            start = time.perf_counter()
-            try:
-                self._ring.wait(self._streamed[pos], fill)
-            except BaseException:
-                if self._ring.failed(fill):  # read again next time; a read still running keeps its slot
-                    self._prefetch.discard(fill)
-                raise
-            self._stats.stall_s += time.perf_counter() - start
-        self._prefetch.take(fill)
-        for name, tensor in self._views[pos][fill.slot]:
-            self.binding.place(name, tensor)
-        self._slot_version = self._ring.buffers[fill.slot]._version  # shared by every view of the slot
-        self._stats.loads[pos] += 1
-        if pos == 0:
-            self._saved.clear()  # a new forward: the last backward's layers are done with
-        if torch.is_grad_enabled():
-            self._saved.enter(pos, fill.slot, clone=recompute)  # last: if it raises, the post-hook still frees the slot
-
-    def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
-        assert self._prefetch is not None, "a recompute without a ring"
-        current = self._prefetch.current
-        if self._turn.owned() and current is not None and current[0] == pos:
-            return False  # the original forward: the pre-hook bound it
-        self._pre(pos, module, (), recompute=True)
-        return True
-
-    def _release_after_recompute(self, pos: int, module: nn.Module) -> None:
-        self._post(pos, module, (), None)
-
-    def _post(self, pos: int, module: nn.Module, args: Any, output: Any) -> None:
-        # Also runs when the forward raised an Exception (always_call): output is None then.
-        with held():
-            assert self._prefetch is not None, "a streamed layer without a ring"
-            current = self._prefetch.current
-            if not self._turn.owned() or current is None or current[0] != pos:
-                return  # not this thread's layer (its pre-hook was refused), or already released
-            changed = not self._release()
-            self._end_layer()
-        if changed and output is not None:
-            # The resident model would keep the change; the next read of this layer would not.
-            raise OffloadError(
-                f"{self._streamed[pos].describe()} changed its streamed parameters or buffers in place during its forward "
-                f"(e.g. BatchNorm running statistics in train mode); streamed weights are read-only. Put that module in "
-                f"eval mode, or keep the layer resident (resident_layers= or max_memory=)"
-            )
-
-    def _end_layer(self, *, keep_turn: bool = False) -> None:
-        """Take out a layer still bound (its post-hook did not run), and give back the turn a layer
-        called on its own took (unless ``keep_turn``: the next layer's pre-hook holds it now)."""
-        if self._prefetch is not None and self._prefetch.current is not None:
-            self._release()
-        if self._saved is not None:
-            self._saved.exit()
-        if self._layer_turn and not keep_turn:
-            self._layer_turn = False
-            self._turn.exit()
-
-    def _release(self) -> bool:
-        """Take the current layer's weights out and hand its slot back; ``False`` if its forward
-        changed the slot's bytes (its version counter moved)."""
-        assert self._prefetch is not None and self._prefetch.current is not None and self._ring is not None, "release without a current layer"
-        pos, slot = self._prefetch.current
-        if self._saved is not None:
-            self._saved.exit()
-        self._unbind(pos, slot)
-        intact = self._ring.buffers[slot]._version == self._slot_version
-        self._prefetch.put_back(intact=intact)
-        return intact
-
-    def _unbind(self, pos: int, slot: int) -> None:
-        for name, _ in self._views[pos][slot]:
-            self.binding.restore(name)
-
-    def _copy_held(self, pos: int) -> torch.Tensor | None:
-        """For backward (any thread): layer ``pos`` copied out of the slot still holding it, or ``None``."""
-        assert self._prefetch is not None, "a backward copy without a ring"
-        with held():
-            if not self._turn.try_enter():
-                return None  # another thread's forward has the ring: read the layer from the store
-            try:
-                return self._prefetch.copy_held(pos)
-            finally:
-                self._turn.exit()
 
 
 def _shutdown(resources: list[Any]) -> None:

@@ -43,10 +43,21 @@ class StreamStats:
     reused: int = 0
     #: Time the model's thread waited for fills in the pre-hooks (a CUDA stream wait costs none).
     stall_s: float = 0.0
+    #: Time each layer's forwards took, from its pre-hook's end to its post-hook (every micro-batch's,
+    #: in a layer-major team; on CUDA the time to queue its kernels, not to run them).
+    compute_s: list[float] = field(default_factory=list)
     #: Times each layer was read again for backward (the weights autograd saved from it).
     backward_reads: list[int] = field(default_factory=list)
     #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.
     backward_copies: list[int] = field(default_factory=list)
+    #: Layer-major waves (``generate_many``): teams of micro-batches that shared each weight load, and their micro-batches.
+    teams: int = 0
+    team_micro_batches: int = 0
+    #: Why ``generate_many`` planned again mid-run (measured compute off the plan by more than 25%), one line each.
+    replans: list[str] = field(default_factory=list)
+    #: KV caches on the drive (``generate_many(kv="drive")``): bytes read back and written.
+    kv_bytes_read: int = 0
+    kv_bytes_written: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

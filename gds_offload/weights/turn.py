@@ -43,10 +43,22 @@ class Turn:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._depth = 0
+        self._team: frozenset[int] = frozenset()  # threads the owner admitted (a layer-major team)
 
     def owned(self) -> bool:
-        """The calling thread holds the turn."""
-        return self._owner == threading.get_ident()
+        """The calling thread holds the turn (or was admitted to it by the thread that does)."""
+        me = threading.get_ident()
+        return self._owner == me or me in self._team
+
+    def admit(self, idents: list[int]) -> None:
+        """The owner lets ``idents`` (a :class:`~gds_offload.weights.schedule.Team`'s members, which
+        take turns among themselves) use the model as if they held the turn, until :meth:`dismiss`."""
+        assert self._owner == threading.get_ident(), "Turn.admit by a thread that does not hold the turn"
+        self._team = frozenset(idents)
+
+    def dismiss(self) -> None:
+        """End :meth:`admit`."""
+        self._team = frozenset()
 
     def enter(self, *, wait: bool) -> None:
         """Take the turn (again, if this thread holds it).
@@ -55,6 +67,8 @@ class Turn:
             OffloadError: ``wait=False`` and another thread holds it.
         """
         me = threading.get_ident()
+        if me in self._team:
+            return  # the owner holds the turn for its team
         if self._owner == me:
             self._depth += 1
             return
@@ -71,6 +85,8 @@ class Turn:
 
     def exit(self) -> None:
         """Give back one :meth:`enter` of the owner thread."""
+        if threading.get_ident() in self._team:
+            return
         assert self.owned(), "Turn.exit on a thread that does not hold the turn"
         self._depth -= 1
         if self._depth == 0:

@@ -1,0 +1,153 @@
+"""The planner's cost model (:mod:`gds_offload.weights.planner`): a choice's predicted time, drive
+traffic and peak memory for a workload, from a measured :class:`~gds_offload.weights.workload.Profile`.
+The model is the planner's module doc."""
+from __future__ import annotations
+
+import math
+
+from gds_offload.weights.options import KVPlacement
+from gds_offload.weights.workload import HEADROOM, Bound, Choice, Estimate, Finetune, Generate, Profile
+
+__all__ = ["estimate", "estimate_finetune", "peak_finetune", "peak_nbytes"]
+
+
+def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes: int) -> Estimate:
+    """``choice``'s predicted time, peak memory and bound for ``workload`` (see the module doc)."""
+    p, w, c = profile, workload, choice
+    streamed = p.layers - c.resident_layers
+    write_Bps = p.write_Bps or p.read_Bps
+    drive_kv = c.kv is KVPlacement.DRIVE
+    chunk = min(c.prefill_chunk or w.prompt_len, w.prompt_len)
+    acc = _Cost()
+    full, last = divmod(w.prompts, c.in_flight)
+    for seqs, times in ((c.in_flight, full), (last, 1)):
+        if seqs == 0 or times == 0:
+            continue
+        wave = _Cost()
+        n = math.ceil(seqs / c.micro_batch)
+        b = seqs / n  # the wave's micro-batches, evenly filled
+        done = 0
+        while done < w.prompt_len:  # the prefill, a chunk of positions per forward
+            step = min(chunk, w.prompt_len - done)
+            kv_r = seqs * done * p.kv_record_nbytes if drive_kv else 0
+            kv_w = seqs * step * p.kv_record_nbytes if drive_kv else 0
+            wave.step(p, streamed, c, compute=n * p.prefill(b * step), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
+            done += step
+        for step in range(1, w.new_tokens):
+            ctx = w.prompt_len + step
+            kv_r = seqs * ctx * p.kv_record_nbytes if drive_kv else 0
+            kv_w = seqs * p.kv_record_nbytes if drive_kv else 0
+            wave.step(p, streamed, c, compute=n * p.decode(b), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="decode")
+        acc.add(wave, times)
+    peak = peak_nbytes(p, w, c)
+    bound: Bound = "compute" if acc.compute >= acc.drive else "drive"
+    total = acc.prefill_s + acc.decode_s
+    return Estimate(c, w.prompts * w.new_tokens / total if total else 0.0, acc.prefill_s, acc.decode_s, peak, bound,
+                    peak <= HEADROOM * memory_nbytes, acc.read, acc.written, acc.compute * streamed / p.layers)  # fmt: skip
+
+
+class _Cost:
+    """Time and traffic summed over the steps of a workload (:func:`estimate`)."""
+
+    def __init__(self) -> None:
+        self.prefill_s = self.decode_s = self.compute = self.drive = 0.0
+        self.read = self.written = 0
+
+    def add(self, other: _Cost, times: int) -> None:
+        for name in ("prefill_s", "decode_s", "compute", "drive", "read", "written"):
+            setattr(self, name, getattr(self, name) + times * getattr(other, name))
+
+    def step(self, p: Profile, streamed: int, c: Choice, *, compute: float, head: float, kv_r: float, kv_w: float,
+             write_Bps: float, phase: str) -> None:  # fmt: skip
+        """One pass of a wave through every layer: ``compute`` seconds per layer, ``kv_r``/``kv_w``
+        bytes of KV per layer moved, the layer's weights read for each streamed one."""
+        kv_s = kv_r / p.read_Bps + kv_w / write_Bps
+        drive = p.layer_nbytes / p.read_Bps + kv_s
+        t = _layers(streamed, c.resident_layers, compute, drive, kv_s, c.slots) + head
+        if phase == "prefill":
+            self.prefill_s += t
+        else:
+            self.decode_s += t
+        self.read += int(streamed * p.layer_nbytes + p.layers * kv_r)
+        self.written += int(p.layers * kv_w)
+        self.compute += p.layers * compute
+        self.drive += streamed * drive
+
+
+def _layers(streamed: int, resident: int, compute: float, drive: float, kv_s: float, slots: int) -> float:
+    """One step through every layer: streamed layers overlap their reads with compute when the ring
+    has a slot to read into while a layer computes; resident layers still move their KV."""
+    per_streamed = max(compute, drive) if slots >= 2 else compute + drive
+    return streamed * per_streamed + resident * max(compute, kv_s)
+
+
+def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
+    """The predicted peak memory of ``c`` (see the module doc)."""
+    b = c.micro_batch
+    seqs = min(w.prompts, c.in_flight)
+    positions = w.prompt_len + w.new_tokens
+    chunk = min(c.prefill_chunk or w.prompt_len, w.prompt_len)
+    weights = p.base_nbytes + c.resident_layers * p.layer_nbytes + min(c.slots, p.layers - c.resident_layers) * p.layer_nbytes
+    if c.kv is KVPlacement.DEVICE:
+        # Every sequence's cache, plus the copy torch.cat makes of one micro-batch-layer's as it grows.
+        kv = seqs * positions * p.layers * p.kv_nbytes + b * positions * p.kv_nbytes
+    else:
+        # The micro-batch-layer read back, its cat with the new positions, and the next one read ahead.
+        kv = 3 * b * positions * p.kv_record_nbytes
+    prefill = seqs * chunk * p.hidden_nbytes + p.prefill_transient_nbytes * b * chunk
+    decode = seqs * p.hidden_nbytes + p.decode_transient_nbytes * b
+    return int(weights + kv + max(prefill, decode) + seqs * p.logits_nbytes)
+
+
+
+
+def estimate_finetune(profile: Profile, workload: Finetune, choice: Choice, memory_nbytes: int) -> Estimate:
+    """``choice``'s predicted time, traffic and peak for LoRA fine-tuning (:func:`~gds_offload.weights.accumulate.accumulate`):
+    per wave of ``per_load`` micro-batches, each streamed layer is read once in forward and once in
+    backward (the last ``slots`` copied out of the ring instead) while the wave computes it; with
+    ``offload_activations`` what autograd saves goes to the drive and back on the same drive."""
+    p, w, c = profile, workload, choice
+    streamed = p.layers - c.resident_layers
+    write_Bps = p.write_Bps or p.read_Bps
+    forward_s = backward_s = compute = drive = 0.0
+    read = written = 0
+    for _ in range(w.steps):
+        left = w.global_batch
+        while left > 0:
+            seqs = min(left, c.in_flight)
+            left -= seqs
+            n = math.ceil(seqs / c.micro_batch)
+            tokens = seqs / n * w.seq
+            saved = seqs * w.seq * p.saved_nbytes if c.offload_activations else 0.0
+            f = n * p.train_forward(tokens)
+            bwd = n * p.train_backward(tokens)
+            reread = max(streamed - c.slots, 0)  # backward copies the last slots out of the ring
+            d_f = p.layer_nbytes / p.read_Bps + saved / write_Bps
+            d_b = saved / p.read_Bps
+            forward_s += _layers(streamed, c.resident_layers, f, d_f, saved / write_Bps, c.slots) + n * p.head(tokens)
+            backward_s += reread * max(bwd, p.layer_nbytes / p.read_Bps + d_b) + (p.layers - reread) * max(bwd, d_b) + 2 * n * p.head(tokens)
+            compute += p.layers * (f + bwd)
+            drive += streamed * d_f + reread * p.layer_nbytes / p.read_Bps + p.layers * d_b
+            read += int((streamed + reread) * p.layer_nbytes + p.layers * saved)
+            written += int(p.layers * saved)
+    peak = peak_finetune(p, w, c)
+    bound: Bound = "compute" if compute >= drive else "drive"
+    total = forward_s + backward_s
+    return Estimate(c, w.steps * w.global_batch * w.seq / total if total else 0.0, forward_s, backward_s, peak, bound,
+                    peak <= HEADROOM * memory_nbytes, read, written, compute * streamed / p.layers)  # fmt: skip
+
+
+def peak_finetune(p: Profile, w: Finetune, c: Choice) -> int:
+    """The predicted peak of ``c`` for fine-tuning: the weights as for generation, the adapters with
+    their gradients and AdamW state, and what autograd saves: every layer's, for every micro-batch
+    of the wave, kept in memory; or, offloaded, the last layer of each micro-batch and the write
+    window (two layers' worth), as the offloader's bound gives it; plus one micro-batch's transient."""
+    seqs = min(w.global_batch, c.in_flight)
+    weights = p.base_nbytes + c.resident_layers * p.layer_nbytes + min(c.slots, p.layers - c.resident_layers) * p.layer_nbytes
+    layer_saved = c.micro_batch * w.seq * p.saved_nbytes
+    if c.offload_activations:
+        saved = c.per_load * layer_saved + 2 * layer_saved
+    else:
+        saved = seqs * w.seq * p.saved_nbytes * p.layers
+    logits = c.micro_batch * w.seq * p.logits_nbytes * 3  # logits, their float copy in the loss, and its gradient
+    return int(weights + 4 * p.trainable_nbytes + saved + p.train_transient_nbytes * c.micro_batch * w.seq + logits)

@@ -1,0 +1,94 @@
+"""One call from a checkpoint to a planned, streamed model: :func:`from_pretrained`.
+
+What Accelerate and AirLLM users expect (``AutoModel.from_pretrained(path)`` and done): the store
+is made (or remade) when it is missing or stale, the skeleton built on the meta device from the
+checkpoint's config, the workload planned on this machine under the memory given, and the
+streamed model returned with the plan applied (``generate_many`` takes its shape from it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from gds_offload.errors import ConfigError
+from gds_offload.weights.convert import convert
+from gds_offload.weights.errors import StoreFormatError
+from gds_offload.weights.manifest import read_manifest
+from gds_offload.weights.measure import plan
+from gds_offload.weights.planner import Generate, Plan
+from gds_offload.weights.stream import load_streamed
+
+__all__ = ["from_pretrained", "stale_reason"]
+
+
+def stale_reason(checkpoint: Path, store: Path) -> str | None:
+    """Why ``store`` does not hold ``checkpoint`` as it is now, or ``None``: no store there, one
+    converted from another directory, a config that differs, or a checkpoint file newer than it."""
+    if not (store / "manifest.json").exists():
+        return "no store yet"
+    try:
+        m = read_manifest(store)
+    except StoreFormatError as exc:
+        return f"the store is damaged ({exc})"
+    source = m.source
+    if source.get("checkpoint") and Path(source["checkpoint"]).resolve() != checkpoint.resolve():
+        return f"converted from {source['checkpoint']}"
+    config = checkpoint / "config.json"
+    if config.exists() and m.config_file_sha256 and hashlib.sha256(config.read_bytes()).hexdigest() != m.config_file_sha256:
+        return "the checkpoint's config.json changed"
+    written = (store / "manifest.json").stat().st_mtime
+    for f in sorted(checkpoint.glob("*.safetensors*")):
+        if f.stat().st_mtime > written:
+            return f"{f.name} is newer than the store"
+    return None
+
+
+def from_pretrained(
+    checkpoint: str | os.PathLike[str],
+    *,
+    store: str | os.PathLike[str],
+    memory: int | str,
+    workload: Generate | None = None,
+    device: str = "cpu",
+    engine: str = "auto",
+    progress: Callable[[str], None] | None = None,
+    **load_kwargs: Any,
+) -> Any:
+    """Convert ``checkpoint`` into ``store`` if needed, plan ``workload`` under ``memory`` and return
+    the streamed model (:class:`~gds_offload.weights.stream.StreamedModel`, ``.plan`` set).
+
+    Args:
+        checkpoint: a safetensors checkpoint directory with its ``config.json``.
+        store: where the weight store is (made when missing or stale: :func:`stale_reason`).
+        memory: what the run may use (``"1.2GiB"``); without ``workload``, the weights' share of it
+            (``load_streamed(max_memory=)``).
+        workload: what will run (:class:`~gds_offload.weights.planner.Generate`); ``None``: no plan.
+        load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``).
+
+    Raises:
+        ConfigError: no ``config.json`` in ``checkpoint``; a plan that cannot fit ``memory``; what
+            ``convert``, ``plan`` and ``load_streamed`` raise.
+    """
+    ckpt, out = Path(checkpoint), Path(store)
+    if not (ckpt / "config.json").is_file():
+        raise ConfigError(f"{ckpt} has no config.json: from_pretrained builds the model from it; pass a Hugging Face checkpoint directory")
+    why = stale_reason(ckpt, out)
+    if why is not None:
+        if progress is not None:
+            progress(f"converting {ckpt} into {out} ({why})")
+        convert(ckpt, out, overwrite=why != "no store yet")
+    chosen: Plan | None = None
+    if workload is not None:
+        chosen = plan(out, workload, memory=memory, device=device, engine=engine, progress=progress)
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if chosen is not None:
+        return load_streamed(skeleton, out, device=device, engine=engine, plan=chosen, **load_kwargs)
+    return load_streamed(skeleton, out, device=device, engine=engine, max_memory=memory, **load_kwargs)

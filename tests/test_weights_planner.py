@@ -1,0 +1,272 @@
+"""The planner (gds_offload.weights.planner): its choice on synthetic profiles (fake clocks and
+bandwidths, so every expectation is arithmetic), its refusals, the profile a child process
+measures, and ``gds-offload plan`` end to end on a tiny store."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
+
+from conftest import real_disk_base  # noqa: E402
+
+from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.weights import convert, load_streamed  # noqa: E402
+from gds_offload.weights.measure import measure  # noqa: E402
+from gds_offload.weights.options import KVPlacement  # noqa: E402
+from gds_offload.weights.planner import TIE, Choice, Fit, Generate, Profile, check_feasible, choose, estimate  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def _profile(**kw: object) -> Profile:
+    """A 12-layer model: 100 MiB layers read at 1 GB/s (0.105 s each); a layer's decode step costs
+    40 ms + 0.1 ms per sequence, its prefill 1 ms per token; 4 KiB of KV per position and layer."""
+    base = dict(device="cpu", layers=12, layer_nbytes=100 * MiB, resident_nbytes=200 * MiB, hidden_nbytes=8192, kv_nbytes=4096,
+                kv_record_nbytes=4096, logits_nbytes=64000, read_Bps=1e9, base_nbytes=500 * MiB, prefill=Fit(0.0, 1e-3),
+                decode=Fit(0.04, 1e-4), head=Fit(0.01, 1e-4), prefill_transient_nbytes=100_000, decode_transient_nbytes=1000)  # fmt: skip
+    return Profile(**(base | kw))  # type: ignore[arg-type]
+
+
+W = Generate(prompts=512, prompt_len=64, new_tokens=32)
+
+
+def test_compute_hides_the_reads_once_enough_sequences_share_a_load() -> None:
+    p = _profile()
+    one = estimate(p, W, Choice(1, 1, 0, 2, KVPlacement.DRIVE), 64 * GiB)
+    many = estimate(p, W, Choice(64, 8, 0, 2, KVPlacement.DRIVE), 64 * GiB)
+    assert one.bound == "drive" and many.bound == "compute"
+    # One sequence per load: every decode step waits for 12 reads of 0.105 s.
+    read = 100 * MiB / 1e9
+    assert one.decode_s == pytest.approx(512 * 31 * (12 * max(0.04 + 1e-4 + 31 * 4096 / 1e9 * 0, read + (64 + 16) * 4096 / 1e9) + 0.0101), rel=0.05)
+    assert many.tokens_per_s > 4 * one.tokens_per_s
+
+
+def test_the_choice_is_the_fastest_that_fits_and_says_why_the_others_lost() -> None:
+    p = _profile()
+    plan = choose(p, W, 2 * GiB)
+    assert plan.predicted.fits and plan.predicted.peak_nbytes <= 0.9 * 2 * GiB
+    everything = [estimate(p, W, Choice(b, n, r, s, kv, chunk), 2 * GiB)
+                  for b in (1, 8, 64, 128, 256, 512) for n in (1, 2, 4, 8) for r in (0, 2, 4) for s in (1, 2)
+                  for kv in KVPlacement for chunk in (None, 8) if b * n <= 512]  # fmt: skip
+    best_fitting = max(e.tokens_per_s for e in everything if e.fits)
+    assert plan.predicted.tokens_per_s >= (1 - TIE) * best_fitting, "the simplest of the plans within 1% of the fastest"
+    assert plan.alternatives and all(why for _, why in plan.alternatives)
+    assert any("over memory" in why for _, why in plan.alternatives)
+    assert {name for name, *_ in plan.curve} == {"KV on the device", "KV on the drive"}
+
+
+def test_more_memory_never_plans_slower_and_a_big_one_keeps_everything_resident() -> None:
+    p = _profile()
+    speeds = [choose(p, W, m).predicted.tokens_per_s for m in (1 * GiB + 600 * MiB, 2 * GiB, 4 * GiB, 16 * GiB)]
+    assert speeds == sorted(speeds)
+    big = choose(p, W, 64 * GiB).choice
+    assert big.resident_layers == 12 and big.kv is KVPlacement.DEVICE
+
+
+def test_a_faster_drive_or_slower_compute_moves_the_bound() -> None:
+    slow_drive = choose(_profile(read_Bps=1e7), Generate(64, 16, 8), 1 * GiB + 300 * MiB)  # too little to keep every layer
+    assert slow_drive.choice.resident_layers < 12 and slow_drive.predicted.bound in ("drive", "memory")
+    fast = choose(_profile(read_Bps=1e12), Generate(64, 16, 8), 2 * GiB)
+    assert fast.predicted.bound == "compute"
+
+
+def test_kv_moves_to_the_drive_when_memory_cannot_hold_it() -> None:
+    p = _profile(read_Bps=1e10)  # a drive fast enough that reading the caches back beats small batches
+    w = Generate(prompts=512, prompt_len=8, new_tokens=256)  # decode-heavy; 512 x 264 x 12 x 4 KiB = 6.2 GiB of KV
+    c = choose(p, w, 2 * GiB + 512 * MiB).choice
+    assert c.kv is KVPlacement.DRIVE and c.in_flight >= 256, "large micro-batches, their caches on the drive"
+    assert choose(p, Generate(8, 16, 4), 64 * GiB).choice.kv is KVPlacement.DEVICE
+
+
+def test_a_memory_too_small_for_any_plan_names_what_is_needed() -> None:
+    with pytest.raises(ConfigError, match=r"memory=.*too small.*needs .*give at least"):
+        choose(_profile(), W, 600 * MiB)
+
+
+def test_bad_workloads_are_refused() -> None:
+    for kw in ({"prompts": 0}, {"prompt_len": -1}, {"new_tokens": 1.5}, {"prompts": True}):
+        with pytest.raises(ConfigError, match="must be an int >= 1"):
+            Generate(**(dict(prompts=4, prompt_len=4, new_tokens=4) | kw))  # type: ignore[arg-type]
+
+
+def test_scaling_compute_scales_the_prediction() -> None:
+    p = _profile(read_Bps=1e15)  # reads cost nothing: all compute
+    c = Choice(64, 8, 0, 2, KVPlacement.DEVICE)
+    fast, slow = estimate(p, W, c, 64 * GiB), estimate(p.scaled(2.0), W, c, 64 * GiB)
+    assert slow.total_s == pytest.approx(2 * fast.total_s, rel=1e-6)
+    assert replace(p, read_Bps=1e15) == p
+
+
+# -- measured on a tiny store ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store() -> Iterator[Path]:
+    base = real_disk_base() / f"gds_offload-planner-{os.getpid()}"
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=96, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(base / "ckpt")
+    convert(base / "ckpt", base / "store")
+    yield base / "store"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path, tmp_path: Path) -> None:
+    w = Generate(prompts=12, prompt_len=8, new_tokens=4)
+    seen: list[str] = []
+    p = measure(store, w, progress=seen.append)
+    assert any("prefill" in s for s in seen) and any("decode" in s for s in seen)
+    m = json.loads((store / "manifest.json").read_text())
+    assert p.layers == 4 and p.hidden_nbytes == 64 * 4 and p.kv_nbytes == 2 * 2 * 16 * 4 and p.logits_nbytes == 256 * 4
+    assert p.layer_nbytes >= max(g["nbytes"] for g in m["groups"] if g["name"].startswith("model.layers."))
+    assert p.read_Bps > 0 and p.base_nbytes > 0 and p.prefill.per_row >= 0 and p.decode(8) > 0
+    plan = choose(p, w, 8 * GiB)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
+    with load_streamed(skeleton, store, plan=plan) as lm:
+        assert lm.stats().slots == min(plan.choice.slots, 4 - plan.choice.resident_layers) or plan.choice.resident_layers == 4
+        out = lm.generate_many([torch.arange(1, 9)] * 12, max_new_tokens=4, kv_path=tmp_path / "kv", pad_token_id=0)
+    assert len(out.tokens) == 12 and all(t.shape == (4,) for t in out.tokens)
+    with pytest.raises(ConfigError, match="differs from the plan"):
+        load_streamed(skeleton, store, plan=plan, slots=plan.choice.slots + 1)
+
+
+def test_infeasible_input_is_refused_before_measuring(store: Path) -> None:
+    with pytest.raises(ConfigError, match="needs 100 positions .* has 96"):
+        check_feasible(store, Generate(4, 90, 10), 8 * GiB)
+    with pytest.raises(ConfigError, match="below what any plan needs"):
+        check_feasible(store, Generate(4, 8, 4), 1 * MiB)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gds_offload.cli", "plan", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_plan_command_prints_writes_json_and_a_png(store: Path, tmp_path: Path) -> None:
+    proc = _cli(str(store), "--memory", "4GiB", "--prompts", "16", "--prompt-len", "8", "--new-tokens", "4",
+                "--out", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "plan:" in proc.stdout and "chosen" in proc.stdout
+    assert "decode of" in proc.stderr, "progress on a non-terminal: one plain line per step"
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["choice"]["micro_batch"] >= 1 and doc["predicted"]["tokens_per_s"] > 0 and doc["command"].startswith("gds-offload plan")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--memory", "1MiB"], "below what any plan needs"),
+        (["--memory", "0"], "--memory=0"),
+        (["--memory", "lots"], "--memory='lots' is not a size"),
+        (["--memory", "4GiB", "--prompt-len", "95"], "positions"),
+        (["--memory", "4GiB", "--prompts", "0"], "prompts=0"),
+    ],
+)
+def test_the_plan_command_refuses_in_one_line_with_exit_2(store: Path, args: list[str], match: str) -> None:
+    proc = _cli(str(store), *args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "measuring" not in proc.stderr and "prefill of" not in proc.stderr, "refused before anything is measured"
+    import re
+
+    assert re.search(match, proc.stderr), proc.stderr
+
+
+def test_from_pretrained_converts_when_needed_plans_and_streams(store: Path, tmp_path: Path) -> None:
+    from gds_offload.weights import as_reference, from_pretrained
+    from gds_offload.weights.pretrained import stale_reason
+
+    ckpt = store.parent / "ckpt"
+    out = tmp_path / "store"
+    said: list[str] = []
+    w = Generate(prompts=6, prompt_len=8, new_tokens=3)
+    lm = from_pretrained(ckpt, store=out, memory="8GiB", workload=w, progress=said.append)
+    try:
+        assert any("converting" in s and "no store yet" in s for s in said) and lm.plan is not None
+        prompts = [torch.arange(1, 9) + i for i in range(6)]
+        got = lm.generate_many(prompts, max_new_tokens=3, kv_path=tmp_path / "kv", pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    finally:
+        lm.close()
+    ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval())
+    for j, mb in enumerate(got.micro_batches):
+        want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
+                            prefill_chunk_size=lm.plan.choice.prefill_chunk, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(got.outputs[j].sequences, want.sequences)
+    assert stale_reason(ckpt, out) is None
+    written = (out / "manifest.json").stat().st_mtime_ns
+    from_pretrained(ckpt, store=out, memory="8GiB").close()  # fresh: not converted again
+    assert (out / "manifest.json").stat().st_mtime_ns == written
+    os.utime(ckpt / "model.safetensors")  # the checkpoint changed after the store was made
+    assert stale_reason(ckpt, out) == "model.safetensors is newer than the store"
+    said.clear()
+    from_pretrained(ckpt, store=out, memory="8GiB", progress=said.append).close()
+    assert any("newer than the store" in s for s in said) and stale_reason(ckpt, out) is None
+    with pytest.raises(ConfigError, match="has no config.json"):
+        from_pretrained(tmp_path, store=tmp_path / "other", memory="8GiB")
+
+
+def test_a_run_slower_than_planned_plans_again_and_says_so(store: Path, tmp_path: Path) -> None:
+    from gds_offload.weights import as_reference
+
+    w = Generate(prompts=16, prompt_len=8, new_tokens=3)
+    real = measure(store, w)
+    optimistic = choose(real.scaled(0.01), w, 8 * GiB)  # believes compute 100x faster than it is
+    streamed = replace(optimistic.choice, micro_batch=2, per_load=2, resident_layers=0, slots=2)  # waves of 4 prompts, every layer read
+    optimistic = replace(optimistic, predicted=replace(optimistic.predicted, choice=streamed))
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
+    prompts = [torch.arange(1, 9) + i for i in range(16)]
+    with load_streamed(skeleton, store, plan=optimistic) as lm:
+        out = lm.generate_many(prompts, max_new_tokens=3, pad_token_id=0, kv_path=tmp_path / "kv", output_scores=True, return_dict_in_generate=True)
+        replans = lm.stats().replans
+    assert replans and "planned" in replans[0] and "the last 12 prompts run as" in replans[0]
+    assert sorted(i for mb in out.micro_batches for i in mb.indices) == list(range(16)), "every prompt once"
+    ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(store.parent / "ckpt").eval())
+    for j, mb in enumerate(out.micro_batches):
+        want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
+                            prefill_chunk_size=out.prefill_chunks[j])  # fmt: skip
+        assert torch.equal(out.outputs[j].sequences, want), f"micro-batch {j}"
+
+
+def _train_profile(**kw: object) -> Profile:
+    """The same model fine-tuned: a layer's forward 2 ms/token, backward 4 ms/token, 40 KB saved per token."""
+    return _profile(train_forward=Fit(0.0, 2e-3), train_backward=Fit(0.0, 4e-3), saved_nbytes=40_000, train_transient_nbytes=100_000,
+                    trainable_nbytes=10 * MiB, **kw)  # fmt: skip
+
+
+def test_finetuning_is_compute_bound_when_a_layer_reads_faster_than_a_micro_batch_computes() -> None:
+    from gds_offload.weights.planner import Finetune
+
+    w = Finetune(sequences=128, seq=256, global_batch=64, lora_r=8)
+    p = _train_profile()
+    plan = choose(p, w, 4 * GiB)
+    assert plan.predicted.bound == "compute" and plan.predicted.fits
+    # Per wave each streamed layer is read twice (forward, backward); compute of 256 tokens already takes 1.5 s, a read 0.1 s.
+    one = estimate_ft(p, w, Choice(1, 1, 0, 2), 64 * GiB)
+    assert one.total_s == pytest.approx(2 * 64 * 12 * 256 * 6e-3, rel=0.05)
+
+
+def test_finetuning_offloads_activations_when_keeping_them_does_not_fit() -> None:
+    from gds_offload.weights.planner import Finetune
+
+    w = Finetune(sequences=64, seq=1024, global_batch=64)
+    keep_all = estimate_ft(_train_profile(), w, Choice(8, 1, 0, 2), 64 * GiB)
+    assert keep_all.peak_nbytes > 4 * GiB  # 8 x 1024 tokens x 12 layers x 40 KB
+    assert choose(_train_profile(), w, 1 * GiB + 400 * MiB).choice.offload_activations  # keeping even one micro-batch's does not fit
+
+
+def estimate_ft(p: Profile, w: Any, c: Choice, memory: int) -> Any:
+    from gds_offload.weights.cost import estimate_finetune
+
+    return estimate_finetune(p, w, c, memory)
