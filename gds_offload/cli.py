@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "bench-weights": "gds_offload.commands.bench_weights",
     "bench-finetune": "gds_offload.commands.bench_finetune",
     "plan": "gds_offload.commands.plan",
+    "bench-plan": "gds_offload.commands.bench_plan",
     "report": "gds_offload.commands.report",
     "shards": "gds_offload.commands.shards",
 }

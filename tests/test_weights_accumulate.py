@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base  # noqa: E402
-from models import ENGINES  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
+from helpers.gates import ENGINES  # noqa: E402
 
 import gds_offload  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402

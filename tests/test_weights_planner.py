@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
-from conftest import real_disk_base  # noqa: E402
+from helpers.disks import real_disk_base  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402

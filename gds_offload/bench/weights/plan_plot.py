@@ -10,8 +10,9 @@ from gds_offload.weights.planner import Finetune, Plan
 __all__ = ["plot_plan"]
 
 
-def plot_plan(plan: Plan, out: Path) -> Path:
-    """Write the curve of ``plan`` to ``out`` (PNG); returns ``out``."""
+def plot_plan(plan: Plan, out: Path, *, measured: tuple[tuple[str, int, float], ...] = ()) -> Path:
+    """Write the curve of ``plan`` to ``out`` (PNG); returns ``out``. ``measured``: points run for
+    real (``(label, sequences per load, tokens/s)``: ``bench-plan``'s modes and sweep), drawn over it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,6 +26,10 @@ def plot_plan(plan: Plan, out: Path) -> Path:
         ax.plot([p[0] for p in fit], [p[1] for p in fit], "o-", markersize=3, label=placement)
     c, e = plan.choice, plan.predicted
     ax.plot([c.in_flight], [e.tokens_per_s], "r*", markersize=14, label=f"plan: {c.per_load} x {c.micro_batch}, {e.bound}-bound")
+    for label, seqs, tps in measured:
+        ax.plot([seqs], [tps], "kx" if label == "sweep" else "s", markersize=6, label=None if label == "sweep" else f"{label} (measured)")
+    if any(label == "sweep" for label, _, _ in measured):
+        ax.plot([], [], "kx", label="sweep (measured)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences per weight load (micro-batches x micro-batch size)")
     w = plan.workload

@@ -1,0 +1,219 @@
+"""One mode of ``gds-offload bench-plan`` in a child process (the protocol: :mod:`gds_offload.bench.procs`).
+
+Modes, each on the benchmark's workload (``prompts`` prompts of ``prompt_len`` tokens, ``new_tokens``
+new tokens each, greedy), over the first ``measure_prompts`` of them (slow modes measure a subset:
+every batch of a mode has the same shape, so its rate is the workload's):
+
+* ``resident``: the model in memory (``from_pretrained``, frozen and aligned as the stream's
+  reference is), Hugging Face ``generate`` in batches of ``batch``;
+* ``naive``: today's API without a plan: ``load_streamed(slots=2)``, ``generate`` in batches of ``batch``;
+* ``planned``: the plan ``gds_offload.weights.plan`` made under the cap (in the parent, before: as
+  ``gds-offload plan`` would), applied with ``load_streamed(plan=)`` and ``generate_many``; the
+  plan's prediction is reported beside the measurement;
+* ``sweep``: ``generate_many`` at a given choice (micro-batch, per load, resident layers, slots, KV);
+* ``reference``: the resident model generating given micro-batches, for the exactness check.
+
+Time is split into prefill and decode by the layer that runs: hooks on every decoder layer stamp
+each layer call; the time from one stamp to the next goes to the phase of the micro-batch that
+made the first (the first ``ceil(prompt_len / chunk)`` forwards of a ``generate`` are its prefill).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from gds_offload.bench import procs
+from gds_offload.weights import Plan, as_reference, load_streamed
+from gds_offload.weights.options import KVPlacement
+from gds_offload.weights.workload import Choice
+
+MODES = ("resident", "naive", "planned", "sweep", "reference")
+
+
+@dataclass(frozen=True)
+class PlanChildSpec:
+    """One child's work: ``mode`` (see the module doc) on the store and checkpoint, the workload's
+    shape, and what the mode needs (a batch, a choice, the plan, the micro-batches to re-run)."""
+
+    mode: str
+    store: str
+    checkpoint: str
+    workdir: str
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    measure_prompts: int
+    memory_limit: int | None = None
+    batch: int = 8
+    choice: dict[str, Any] | None = None
+    reference: list[Any] | None = None
+    plan: dict[str, Any] | None = None
+    check_batches: int = 2
+    seed: int = 0
+
+
+def make_prompts(vocab: int, spec: PlanChildSpec) -> list[Any]:
+    """The workload's prompts: random tokens (seeded), ``prompt_len`` each."""
+    g = torch.Generator().manual_seed(spec.seed)
+    return [torch.randint(1, vocab, (spec.prompt_len,), generator=g) for _ in range(spec.prompts)]
+
+
+class PhaseClock:
+    """Wall time of a run split into prefill and decode (see the module doc)."""
+
+    def __init__(self, decoder: Any, layers: list[Any], prefill_calls: int) -> None:
+        self.prefill_calls = prefill_calls
+        self._calls: dict[int, int] = {}
+        self._last: tuple[float, bool] | None = None
+        self.prefill_s = self.decode_s = 0.0
+        self._lock = threading.Lock()
+        self._handles = [decoder.register_forward_pre_hook(self._pass)] + [layer.register_forward_pre_hook(self._stamp) for layer in layers]
+
+    def start(self) -> None:
+        self._calls.clear()
+        self._last = None
+
+    def _pass(self, *args: Any) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            self._calls[me] = self._calls.get(me, 0) + 1
+        self._stamp()
+
+    def _stamp(self, *args: Any) -> None:
+        now = time.perf_counter()
+        prefill = self._calls.get(threading.get_ident(), 1) <= self.prefill_calls
+        with self._lock:
+            if self._last is not None:
+                t, was_prefill = self._last
+                if was_prefill:
+                    self.prefill_s += now - t
+                else:
+                    self.decode_s += now - t
+            self._last = (now, prefill)
+
+    def stop(self) -> None:
+        self._stamp()
+        self._last = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory (``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _skeleton(store: Path) -> Any:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
+
+
+def _batched(model: Any, prompts: list[Any], batch: int, new_tokens: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch):
+            ids = torch.stack(prompts[start : start + batch])
+            seqs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)  # fmt: skip
+            out.extend(seqs[:, ids.shape[1] :].tolist())
+    return out
+
+
+def run(spec: PlanChildSpec) -> dict[str, Any]:
+    store, ckpt = Path(spec.store), Path(spec.checkpoint)
+    cfg = transformers.AutoConfig.from_pretrained(store)
+    prompts = make_prompts(cfg.vocab_size, spec)[: spec.measure_prompts]
+    result: dict[str, Any] = {"mode": spec.mode, "prompts_measured": len(prompts), "new_tokens": spec.new_tokens}
+    t_load = time.perf_counter()
+    lm = None
+    predicted = None
+    model: Any
+    if spec.mode in ("resident", "reference"):
+        model = as_reference(transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval())
+    elif spec.mode == "naive":
+        lm = load_streamed(_skeleton(store), store, slots=2)
+        model = lm.model
+    else:
+        if spec.mode == "planned":
+            assert spec.plan is not None, "the planned mode runs the plan gds-offload plan made (uncapped, before)"
+            chosen = Plan.from_dict(spec.plan)
+            choice = chosen.choice
+            predicted = chosen.predicted
+            result["plan"] = chosen.as_dict() | {"describe": chosen.describe()}
+            lm = load_streamed(_skeleton(store), store, plan=chosen)
+        else:
+            c = dict(spec.choice or {})
+            c["kv"] = KVPlacement(c.get("kv", "device"))
+            choice = Choice(**c)
+            lm = load_streamed(_skeleton(store), store, slots=choice.slots, resident_layers=choice.resident_layers)
+        model = lm.model
+    result["load_s"] = time.perf_counter() - t_load
+    if spec.mode == "reference":
+        ref_out: list[Any] = []
+        with torch.no_grad():
+            for ids, mask, chunk in spec.reference or []:
+                seqs = model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=spec.new_tokens,
+                                      min_new_tokens=spec.new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)  # fmt: skip
+                ref_out.append(seqs[:, len(ids[0]) :].tolist())
+        return result | {"reference_tokens": ref_out}
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    chunk = (choice.prefill_chunk if spec.mode in ("planned", "sweep") else None) or spec.prompt_len
+    clock = PhaseClock(decoder, list(decoder.layers), prefill_calls=math.ceil(spec.prompt_len / chunk))
+    clock.start()
+    start = time.perf_counter()
+    if spec.mode in ("resident", "naive"):
+        tokens = _batched(model, prompts, spec.batch, spec.new_tokens)
+        result["batch"] = spec.batch
+    else:
+        assert lm is not None
+        out = lm.generate_many(prompts, max_new_tokens=spec.new_tokens, plan=None if spec.mode == "sweep" else lm.plan,
+                               micro_batch=choice.micro_batch, per_load=choice.per_load, kv=choice.kv, prefill_chunk=choice.prefill_chunk,
+                               kv_path=Path(spec.workdir) / "kv", seed=0, pad_token_id=0, min_new_tokens=spec.new_tokens, do_sample=False)  # fmt: skip
+        tokens = [t.tolist() for t in out.tokens]
+        result["choice"] = asdict(choice) | {"kv": choice.kv.value}
+        result["check"] = [
+            {"ids": mb.input_ids.tolist(), "mask": mb.attention_mask.tolist(), "chunk": ch, "tokens": [tokens[i] for i in mb.indices]}
+            for mb, ch in list(zip(out.micro_batches, out.prefill_chunks))[: spec.check_batches]
+        ]
+    total = time.perf_counter() - start
+    clock.stop()
+    clock.remove()
+    generated = sum(len(t) for t in tokens)
+    result |= {"total_s": total, "prefill_s": clock.prefill_s, "decode_s": clock.decode_s, "generated": generated,
+               "tokens_per_s": generated / total, "prefill_tokens_per_s": len(prompts) * spec.prompt_len / clock.prefill_s if clock.prefill_s else None,
+               "decode_tokens_per_s": (generated - len(prompts)) / clock.decode_s if clock.decode_s else None,
+               "peak_rss_bytes": _peak_rss()}  # fmt: skip
+    if lm is not None:
+        s = lm.stats()
+        result |= {"bytes_read": s.bytes_read + s.kv_bytes_read, "bytes_written": s.kv_bytes_written, "weight_bytes_read": s.bytes_read,
+                   "kv_bytes_read": s.kv_bytes_read, "replans": s.replans}  # fmt: skip
+        lm.close()
+    if predicted is not None:
+        result["predicted"] = {"tokens_per_s": predicted.tokens_per_s, "peak_bytes": predicted.peak_nbytes, "total_s": predicted.total_s,
+                               "bound": predicted.bound}  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = PlanChildSpec(**json.loads(procs.read_spec(argv, "gds_offload.bench.weights.plan_child", "one mode of gds-offload bench-plan")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    procs.emit({"event": "result", "result": run(spec)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

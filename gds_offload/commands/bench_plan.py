@@ -1,0 +1,206 @@
+"""``gds-offload bench-plan``: the planner's choice against the resident model, today's API without a
+plan, the peers users would pick and a measured sweep, on the weights benchmark's model under a
+memory cap (:mod:`gds_offload.bench.weights.plan_bench`). Examples::
+
+    gds-offload bench-plan --tiny --memory-limit 512MiB          # about a minute: the end-to-end check
+    gds-offload bench-plan --memory-limit 1.2GiB --out docs/results/plan-cpu.json
+
+``--out`` writes the result file ``gds-offload report`` renders, and a PNG beside it (the plan's
+predicted curve with the measured points over it). Exit status: 0 every mode ran and the planned
+tokens equal the resident model's, 1 otherwise, 2 a usage error (every flag is checked before
+anything is measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gds_offload.commands.run_args import memory_limit_arg, modes_arg, positive_int, workdir_arg
+from gds_offload.errors import ConfigError
+from gds_offload.units import format_bytes
+
+HELP = "benchmark the weight planner's choice against resident, unplanned streaming, the peers and a sweep"
+
+MODES = ("planned", "naive", "resident", "sweep")
+PEERS = ("accelerate-disk", "airllm", "deepspeed-zero-inference")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model and a small workload: about a minute")
+    p.add_argument("--memory-limit", default=None, help="the cap of the streamed children (page cache included), e.g. 1.2GiB; needs root and cgroup v1")
+    p.add_argument("--prompts", type=positive_int, default=None, help="prompts in the workload (default 512; --tiny 16)")
+    p.add_argument("--prompt-len", type=positive_int, default=None, help="tokens per prompt (default 64; --tiny 16)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per prompt (default 32; --tiny 4)")
+    p.add_argument("--subset", type=positive_int, default=None, help="prompts the slow modes (naive, the peers) run (default 16; --tiny 8)")
+    p.add_argument("--sweep-prompts", type=positive_int, default=None, help="prompts of the sweep's smaller workload (default 32; --tiny 8)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default: {','.join(MODES)})")
+    p.add_argument("--peers", default="", help=f"comma-separated peers to run at their best batch under the cap: {', '.join(PEERS)} (default none)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="use this safetensors checkpoint (Llama-like) instead of random weights")
+    p.add_argument("--workdir", default=None, help="where the checkpoint, store and KV files go (default: a private <tmp> directory)")
+    p.add_argument("--timeout", type=positive_int, default=7200, help="seconds each child may run (default 7200)")
+    p.add_argument("--out", default=None, help="write the result file (JSON) here ('-': print it)")
+    p.add_argument("--plot", default=None, help="PNG (default: OUT with .png; '' for none)")
+    p.add_argument("--title", default=None, help="the result's title on the performance page")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        modes = tuple(modes_arg(args.modes, MODES))
+        peers = tuple(modes_arg(args.peers, PEERS)) if args.peers else ()
+        d = (16, 16, 4, 8, 8) if args.tiny else (512, 64, 32, 16, 32)
+        prompts, prompt_len, new_tokens, subset, sweep = (v or dflt for v, dflt in zip(
+            (args.prompts, args.prompt_len, args.new_tokens, args.subset, args.sweep_prompts), d))  # fmt: skip
+        if new_tokens < 2:
+            raise ConfigError(f"--new-tokens {new_tokens}: at least 2 (the first comes from the prefill)")
+        limit = memory_limit_arg(args.memory_limit or ("512MiB" if args.tiny else "1.2GiB"))
+        assert limit is not None, "a default is given"
+        if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+            raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there; give a Hugging Face checkpoint directory")
+        workdir = workdir_arg(args.workdir, tiny=args.tiny)
+    except ConfigError as exc:
+        print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    from gds_offload.bench.docs.report import current_commit
+    from gds_offload.bench.machine import describe_machine
+    from gds_offload.bench.weights.plan_bench import run_bench_plan
+
+    peer_runner: Any = None
+    if peers:
+        from gds_offload.bench.weights.peers_run import best_batch
+
+        peer_runner = best_batch
+
+    console = Console(stderr=True)
+    started, commit = time.time(), current_commit()
+    try:
+        doc = run_bench_plan(workdir=workdir, memory_limit=limit, prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens,
+                             subset=min(subset, prompts), sweep_prompts=min(sweep, prompts), modes=modes, peers=peers, tiny=args.tiny,
+                             checkpoint=args.checkpoint, say=console.log, timeout_s=args.timeout, peer_runner=peer_runner)  # fmt: skip
+    except ConfigError as exc:
+        print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
+        return 2
+    doc = document(doc, title=args.title, command=getattr(args, "command_line", None) or "gds-offload bench-plan", commit=commit,
+                   machine=describe_machine(workdir).as_dict(), started=started)  # fmt: skip
+    if args.out and args.out != "-" and args.plot != "":
+        doc["plot"] = _plot(doc, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
+    if args.out == "-":
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        _print(doc, console)
+    planned = doc["results"].get("planned", {})
+    return 0 if planned.get("tokens_per_s") and planned.get("exact") is not False else 1
+
+
+#: The issue's targets: (name, measured key in the summary, need, the bound that can prove it out of reach).
+TARGETS = (
+    ("planned / resident's best", "planned_over_resident", 0.7, None),
+    ("planned / streamed-naive", "planned_over_naive", 3.0, "naive"),
+    ("planned / Accelerate disk offload", "planned_over_accelerate-disk", 3.0, "accelerate-disk"),
+    ("planned / AirLLM", "planned_over_airllm", 5.0, "airllm"),
+    ("planned / DeepSpeed ZeRO-Inference", "planned_over_deepspeed-zero-inference", 2.0, "deepspeed-zero-inference"),
+    ("plan / best point of the sweep", "sweep_plan_over_best", 0.9, None),
+)
+
+
+def document(doc: dict[str, Any], *, title: str | None, command: str, commit: str | None, machine: dict[str, Any], started: float) -> dict[str, Any]:
+    """The result file: what ran, a table of the modes, and the targets with their bounds."""
+    r, s, w = doc["results"], doc["summary"], doc["workload"]
+    resident = (r.get("resident") or {}).get("tokens_per_s")
+    targets = []
+    for name, key, need, other in TARGETS:
+        value = s.get(key)
+        t: dict[str, Any] = {"target": name, "need": need, "value": value, "met": None if value is None else value >= need}
+        base = (r.get(other) or {}).get("tokens_per_s") if other else None
+        if resident and base:
+            t["ceiling"] = resident / base  # a streamer that cost nothing runs at the resident model's rate
+        targets.append(t)
+    pred, meas = s.get("predicted_over_measured_tokens_per_s"), s.get("predicted_over_measured_peak")
+    if pred:
+        targets.append({"target": "predicted tok/s within 20% of measured (min(p/m, m/p))", "need": 0.8, "value": min(pred, 1 / pred), "met": abs(pred - 1) <= 0.2})
+    if meas:
+        targets.append({"target": "predicted peak within 15% of measured (min(p/m, m/p))", "need": 0.85, "value": min(meas, 1 / meas), "met": abs(meas - 1) <= 0.15})
+    if doc.get("plan_s"):
+        targets.append({"target": "gds-offload plan answers in under 60 s (60 s / its time)", "need": 1.0, "value": 60 / doc["plan_s"], "met": doc["plan_s"] < 60})
+    m = doc["model"]
+    about = (f"A {m['layers']}-layer Llama-shaped model (hidden {m['hidden']}, {m['dtype']}, random weights), {w['prompts']} prompts of "
+             f"{w['prompt_len']} tokens, {w['new_tokens']} new tokens each (greedy); streamed modes and peers under a "
+             f"{format_bytes(doc['memory_limit'])} memory cap (cgroup v1, page cache included, the weights' cache dropped before each child); "
+             f"resident uncapped at its best batch (probed). Slow modes ran a subset of the prompts (the 'prompts' column): every batch of "
+             f"such a mode has the same shape, so its rate is the workload's. The plan: {doc['plan']['describe']}.")  # fmt: skip
+    return {"kind": "table", "title": title or "Balance Beam's planner: layer-major generation under a memory cap (cpu)", "about": about,
+            "command": command, "commit": commit, "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "wall_s": time.time() - started, "table": _table(doc), "targets": targets, **doc}  # fmt: skip
+
+
+def _cell(x: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _table(doc: dict[str, Any]) -> dict[str, Any]:
+    cols = ["mode", "shape", "prompts", "tok/s", "prefill tok/s", "decode tok/s", "peak (cap group)", "predicted tok/s", "predicted peak",
+            "read/token", "exact", "planned x"]  # fmt: skip
+    planned = (doc["results"].get("planned") or {}).get("tokens_per_s")
+    rows = []
+    for mode, res in doc["results"].items():
+        if "error" in res and not res.get("tokens_per_s"):
+            rows.append([mode, "-", "-", res["error"][:60], *["-"] * (len(cols) - 4)])
+            continue
+        c = res.get("choice")
+        shape = f"{c['per_load']} x {c['micro_batch']}, {c['resident_layers']} res, KV {c['kv']}" if c else f"batch {res.get('batch', '-')}"
+        pr = res.get("predicted") or {}
+        gen = res.get("generated") or 0
+        rows.append([mode, shape, str(res.get("prompts_measured", "-")), _cell(res.get("tokens_per_s")), _cell(res.get("prefill_tokens_per_s"), "{:.1f}"),
+                     _cell(res.get("decode_tokens_per_s")), format_bytes(res.get("cap_peak_bytes") or res.get("peak_rss_bytes")),
+                     _cell(pr.get("tokens_per_s")), format_bytes(pr.get("peak_bytes")),
+                     format_bytes(res["bytes_read"] / gen) if gen and res.get("bytes_read") is not None else "-",
+                     {True: "yes", False: "NO", None: "-"}[res.get("exact")],
+                     _cell(planned / res["tokens_per_s"]) if planned and res.get("tokens_per_s") else "-"])  # fmt: skip
+    for i, sw in enumerate(doc.get("sweep") or []):
+        c = sw.get("choice") or {}
+        rows.append([f"sweep {i + 1}{' (plan)' if sw.get('is_plan') else ''}",
+                     f"{c.get('per_load')} x {c.get('micro_batch')}, {c.get('resident_layers')} res, {c.get('slots')} slots, KV {c.get('kv')}",
+                     str(sw.get("prompts_measured", "-")), _cell(sw.get("tokens_per_s")) if sw.get("tokens_per_s") else (sw.get("error") or "-")[:40],
+                     _cell(sw.get("prefill_tokens_per_s"), "{:.1f}"), _cell(sw.get("decode_tokens_per_s")),
+                     format_bytes(sw.get("cap_peak_bytes")), _cell(sw.get("predicted_tokens_per_s")), format_bytes(sw.get("predicted_peak_bytes")),
+                     "-", "-", "-"])  # fmt: skip
+    return {"columns": cols, "rows": rows}
+
+
+def _plot(doc: dict[str, Any], path: Path) -> str | None:
+    from gds_offload.bench.weights.plan_plot import plot_plan
+    from gds_offload.weights.planner import Plan
+
+    measured: list[tuple[str, int, float]] = []
+    for mode, res in doc["results"].items():
+        if res.get("tokens_per_s"):
+            c = res.get("choice")
+            measured.append((mode, c["per_load"] * c["micro_batch"] if c else int(res.get("batch") or 1), res["tokens_per_s"]))
+    try:
+        plot_plan(Plan.from_dict(doc["plan"]), path, measured=tuple(measured))
+    except ImportError as exc:
+        print(f"gds-offload bench-plan: no plot: {exc}", file=sys.stderr)
+        return None
+    return path.as_posix()
+
+
+def _print(doc: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=doc["title"], caption=doc["about"])
+    for col in doc["table"]["columns"]:
+        t.add_column(col, justify="left" if col in ("mode", "shape") else "right")
+    for row in doc["table"]["rows"]:
+        t.add_row(*row)
+    console.print(t)
+    for x in doc["targets"]:
+        verdict = {True: "met", False: "not met", None: "not measured"}[x["met"]]
+        console.print(f"target {x['target']} >= {x['need']}: {_cell(x['value'])} {verdict}")
