@@ -278,3 +278,14 @@ def test_a_missing_package_is_unsupported_without_a_child(checkpoint: Path, tmp_
     r = run_peer("airllm", checkpoint=checkpoint, workdir=tmp_path, prompts=[[1]], max_new_tokens=2, batch=1, memory_limit=None)
     assert r.status == "unsupported" and r.error is not None and "'airllm'" in r.error and "not installed" in r.error
     assert r.returncode is None and not list(tmp_path.iterdir())
+
+
+def test_a_workload_past_one_arguments_limit_reaches_the_child(checkpoint: Path, tmp_path: Path) -> None:
+    """Prompts whose JSON is over Linux's 128 KiB for one command-line argument (``MAX_ARG_STRLEN``)
+    travel in a file the spec names: the child gets them all, and the file is removed after."""
+    rng = random.Random(1)
+    many = [[rng.randrange(1000, 2048) for _ in range(400)] for _ in range(64)]
+    assert len(json.dumps(many)) > 128 << 10
+    r = run_peer("resident", checkpoint=checkpoint, workdir=tmp_path, prompts=many, max_new_tokens=1, batch=64, memory_limit=None, timeout_s=300)
+    assert r.status == "ok" and r.prompts == 64 and len(r.tokens) == 64 and r.forwards == (1,)
+    assert not list(tmp_path.glob("peer-prompts-*"))
