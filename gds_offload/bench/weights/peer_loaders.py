@@ -1,4 +1,4 @@
-"""How each peer of ``gds-offload bench-plan`` loads a checkpoint: one function per peer, each
+"""How each peer of the weight benchmarks (:mod:`gds_offload.bench.weights.peers`) loads a checkpoint: one function per peer, each
 returning a :class:`Loaded` whose ``model`` is the Hugging Face causal LM to call ``generate`` on.
 
 Every loader runs in the peer's child process (:mod:`gds_offload.bench.weights.peers`), after

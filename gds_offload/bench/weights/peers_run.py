@@ -36,7 +36,7 @@ from gds_offload.bench.weights.drive import evict
 from gds_offload.bench.weights.peer_loaders import airllm_dir, airllm_ready, deepspeed_nvme_dir, peer_support
 from gds_offload.bench.weights.peers import MODULE, PEERS, REFERENCE, PeerSpec, check_peer, check_prompts
 from gds_offload.errors import ConfigError
-from gds_offload.units import checked_int
+from gds_offload.units import checked_int, format_bytes
 
 __all__ = ["BATCHES", "STATUSES", "BatchPoint", "BatchSearch", "PeerResult", "best_batch", "peer_env", "prepare_peer", "run_peer",
            "tokens_digest", "weight_files", "workload_tokens_per_s", "PEERS", "REFERENCE"]  # fmt: skip
@@ -149,7 +149,7 @@ def _spawn(spec: PeerSpec, prompts: list[list[int]], *, memory_limit: int | None
                       cgroup_peak_bytes=run.cap.peak_bytes if run.cap else None, cgroup_limit_bytes=run.cap.limit_bytes if run.cap else None)  # fmt: skip
     if got is None:
         oom = run.returncode == -9 and not run.timed_out and run.cap is not None
-        why = f"out of memory at batch {spec.batch} under a {run.cap.limit_bytes}-byte cap ({run.failure()})" if oom and run.cap else run.failure()
+        why = f"out of memory at batch {spec.batch} under a {format_bytes(run.cap.limit_bytes)} cap ({run.failure()})" if oom and run.cap else run.failure()
         return replace(base, status="oom" if oom else "error", error=why)
     tokens = tuple(tuple(t) for t in got["tokens"])
     total = (got["prefill_s"] or 0.0) + (got["decode_s"] or 0.0)
