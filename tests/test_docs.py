@@ -4,7 +4,8 @@ Python blocks run in a fresh interpreter after a small prelude that gives them w
 own program would have: ``model`` (a tiny Hugging Face Llama built from a config, nothing
 downloaded), ``loader`` (batches of ``input_ids``/``labels``), ``optimizer``, ``input_ids``,
 ``device`` (``"cuda"`` where there is a GPU, else ``"cpu"``) and, for the weight store's
-block, a tiny checkpoint at ``llama-ckpt/``. Shell blocks run line by line in ``bash``, the
+block, a tiny checkpoint at ``llama-ckpt/`` (4 layers: the planner profiles
+two streamed layers besides the first). Shell blocks run line by line in ``bash``, the
 package's commands on ``PATH``. Each block runs in a temporary directory, with the example
 drive ``/mnt/nvme0`` mapped into it. A block marked ``<!-- needs: cuda -->`` (or another
 device) above its fence is skipped where that is missing; ``<!-- run: ci -->`` marks the
@@ -42,7 +43,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 CHECKPOINT = '''
 import torch, transformers
 torch.manual_seed(0)
-cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
 transformers.LlamaForCausalLM(cfg).save_pretrained("llama-ckpt")
 '''

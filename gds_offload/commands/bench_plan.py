@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.machine import describe_machine
 from gds_offload.commands.run_args import memory_limit_arg, modes_arg, positive_int, workdir_arg
 from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes
@@ -67,21 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gds_offload.bench.docs.report import current_commit
-    from gds_offload.bench.machine import describe_machine
     from gds_offload.bench.weights.plan_bench import run_bench_plan
-
-    peer_runner: Any = None
-    if peers:
-        from gds_offload.bench.weights.peers_run import best_batch
-
-        peer_runner = best_batch
 
     console = Console(stderr=True)
     started, commit = time.time(), current_commit()
     try:
         doc = run_bench_plan(workdir=workdir, memory_limit=limit, prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens,
                              subset=min(subset, prompts), sweep_prompts=min(sweep, prompts), modes=modes, peers=peers, tiny=args.tiny,
-                             checkpoint=args.checkpoint, say=console.log, timeout_s=args.timeout, peer_runner=peer_runner)  # fmt: skip
+                             checkpoint=args.checkpoint, say=console.log, timeout_s=args.timeout)  # fmt: skip
     except ConfigError as exc:
         print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
         return 2

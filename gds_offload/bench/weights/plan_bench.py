@@ -32,6 +32,8 @@ from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
 from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY, BenchModel, child_env, prepare, weight_files
 from gds_offload.bench.weights.drive import evict
+from gds_offload.bench.weights.peers_run import BATCHES, best_batch, run_peer
+from gds_offload.bench.weights.plan_child import workload_prompts
 from gds_offload.weights.cost import estimate
 from gds_offload.weights.measure import plan
 from gds_offload.weights.options import KVPlacement
@@ -42,7 +44,7 @@ __all__ = ["MODES", "run_bench_plan", "summarize", "sweep_points"]
 CHILD = "gds_offload.bench.weights.plan_child"
 MODES = ("planned", "naive", "resident", "sweep")
 #: Batch sizes the resident model is probed at (a few decode steps each) before its full run.
-RESIDENT_PROBES = (16, 32, 64, 128, 256, 512)
+RESIDENT_PROBES = (16, 32, 64, 128)
 #: The sweep measures at least this many configurations.
 SWEEP_POINTS = 12
 
@@ -68,7 +70,6 @@ def run_bench_plan(
     *, workdir: Path, memory_limit: int, prompts: int, prompt_len: int, new_tokens: int, subset: int, sweep_prompts: int,
     modes: tuple[str, ...], peers: tuple[str, ...], tiny: bool, checkpoint: Path | None, say: Callable[[str], None],
     timeout_s: float = 7200,
-    peer_runner: Callable[..., tuple[dict[str, Any], list[dict[str, Any]]]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the benchmark (see the module doc); the result document's measurements.
 
@@ -104,16 +105,34 @@ def run_bench_plan(
     if "resident" in modes:
         results["resident"], doc["resident_probes"] = _resident(base, prompts, new_tokens, timeout_s=timeout_s, say=say)
     for peer in peers:
-        if peer_runner is None:
-            break
-        say(f"{peer}: its best batch under the cap, on the first {subset} prompts")
-        best, probes = peer_runner(peer, checkpoint=ckpt, workdir=workdir, prompts=subset, prompt_len=prompt_len, new_tokens=new_tokens,
-                                   memory_limit=memory_limit, timeout_s=timeout_s)  # fmt: skip
-        results[peer] = best | {"probes": probes}
+        results[peer] = _peer(peer, ckpt, workdir, subset, prompt_len, new_tokens, memory_limit, timeout_s=timeout_s, say=say)
     if "sweep" in modes:
         doc["sweep_plan"], doc["sweep"] = _sweep(chosen, base, sweep_prompts, memory_limit, timeout_s=timeout_s, say=say)
     doc["summary"] = summarize(doc)
     return doc
+
+
+def _peer(peer: str, ckpt: Path, workdir: Path, subset: int, prompt_len: int, new_tokens: int, memory_limit: int, *,
+          timeout_s: float, say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """``peer`` at its best feasible batch under the cap (:func:`~gds_offload.bench.weights.peers_run.best_batch`:
+    probes upward until it runs out of memory or slows), then the first ``subset`` prompts at that batch."""
+    vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
+    prompts = [p.tolist() for p in workload_prompts(vocab, subset, prompt_len)]
+    say(f"{peer}: its best batch under the cap, on the first {subset} prompts")
+    search = best_batch(peer, checkpoint=ckpt, workdir=workdir, prompts=prompts, max_new_tokens=new_tokens, memory_limit=memory_limit,
+                        batches=tuple(b for b in BATCHES if b <= subset), timeout_s=timeout_s, say=lambda t: say(f"  {peer}: {t}"))  # fmt: skip
+    probes = [{"batch": p.batch, "status": p.result.status, "est_tokens_per_s": p.est_tokens_per_s, "error": p.result.error} for p in search.points]
+    if search.best is None:
+        return {"mode": peer, "error": f"no batch ran: {search.stopped}", "probes": probes}
+    say(f"{peer}: the first {subset} prompts at batch {search.best.batch}")
+    r = run_peer(peer, checkpoint=ckpt, workdir=workdir, prompts=prompts, max_new_tokens=new_tokens, batch=search.best.batch,
+                 memory_limit=memory_limit, timeout_s=timeout_s)  # fmt: skip
+    out = r.as_dict()
+    out.pop("tokens", None)
+    out |= {"mode": peer, "prompts_measured": subset, "probes": probes, "stopped": search.stopped, "cap_peak_bytes": r.cgroup_peak_bytes}
+    if r.status != "ok":
+        out["error"] = f"{r.status}: {r.error}"
+    return out
 
 
 def _exact(planned: dict[str, Any], base: dict[str, Any], *, timeout_s: float, say: Callable[[str], None]) -> bool | None:

@@ -61,10 +61,16 @@ class PlanChildSpec:
     seed: int = 0
 
 
+def workload_prompts(vocab: int, prompts: int, prompt_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """The workload's prompts: random tokens in ``[1, vocab)`` (seeded), ``prompt_len`` each; every
+    mode and peer gets the same ones."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (prompt_len,), generator=g) for _ in range(prompts)]
+
+
 def make_prompts(vocab: int, spec: PlanChildSpec) -> list[Any]:
-    """The workload's prompts: random tokens (seeded), ``prompt_len`` each."""
-    g = torch.Generator().manual_seed(spec.seed)
-    return [torch.randint(1, vocab, (spec.prompt_len,), generator=g) for _ in range(spec.prompts)]
+    """:func:`workload_prompts` for ``spec``."""
+    return list(workload_prompts(vocab, spec.prompts, spec.prompt_len, spec.seed))
 
 
 class PhaseClock:
