@@ -142,6 +142,17 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
         load_streamed(skeleton, store, plan=plan, slots=plan.choice.slots + 1)
 
 
+def test_the_finetune_profile_is_measured_from_the_store(store: Path) -> None:
+    """LoRA on every linear layer: a layer's forward with grad and its backward are timed, and what
+    autograd saves per token is counted; the sizes are the model's, as for generation."""
+    from gds_offload.weights.planner import Finetune
+
+    p = measure(store, Finetune(sequences=8, seq=16, global_batch=4, lora_r=4))
+    assert p.layers == 4 and p.hidden_nbytes == 64 * 4 and p.read_Bps > 0 and p.base_nbytes > 0
+    assert p.train_forward.fixed + p.train_forward.per_row > 0 and p.train_backward.fixed + p.train_backward.per_row > 0
+    assert p.saved_nbytes > 0 and p.trainable_nbytes > 0
+
+
 def test_infeasible_input_is_refused_before_measuring(store: Path) -> None:
     with pytest.raises(ConfigError, match="needs 100 positions .* has 96"):
         check_feasible(store, Generate(4, 90, 10), 8 * GiB)

@@ -127,17 +127,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("kind") == "finetune":
         return _finetune_child(spec, skeleton, cfg, store, device)
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
-    _emit("progress", what="loading the resident group")
-    lm = load_streamed(skeleton, store, device=device, slots=2, engine=spec["engine"])
-    stats = lm.stats()
-    if len(stats.streamed_layers) < 3:
-        raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
-    lm.settle()
-    reset, peak = _device_peak(device)
-    ring = stats.slots * stats.slot_nbytes
-    base = (_rss("VmRSS") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
-    _emit("progress", what="reading layers from the drive")
-    nbytes, seconds = lm.read_layers(3)
+    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(skeleton, store, device, spec["engine"], "loading the resident group")
     model = lm.model
     layers = lm.layer_modules()
     stop = layers[2].register_forward_pre_hook(lambda *a: _raise_stop())
@@ -213,16 +203,12 @@ class _StopWith(Exception):
         self.hidden = hidden
 
 
-def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device) -> dict[str, Any]:
-    """The fine-tuning profile: LoRA of rank ``lora_r`` on every linear layer of the decoder; one
-    layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens."""
-    import peft
-
-
-    seq = spec["seq"]
-    model = peft.get_peft_model(skeleton, peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"))
-    _emit("progress", what="loading the resident group and the adapters")
-    lm = load_streamed(model, store, device=device, slots=2, engine=spec["engine"])
+def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: str) -> tuple[Any, Any, Any, Any, int, tuple[int, float]]:
+    """``model`` streamed from ``store`` with two slots, checked to stream at least 3 layers, settled,
+    and its ``stats()`` then; the device's peak reset and read back (``reset``, ``peak``), the memory held before any forward
+    less the ring (``base``), and three layers' reads timed: ``(nbytes, seconds)``."""
+    _emit("progress", what=what)
+    lm = load_streamed(model, store, device=device, slots=2, engine=engine)
     stats = lm.stats()
     if len(stats.streamed_layers) < 3:
         raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
@@ -231,7 +217,17 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     ring = stats.slots * stats.slot_nbytes
     base = (_rss("VmRSS") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
     _emit("progress", what="reading layers from the drive")
-    nbytes, seconds = lm.read_layers(3)
+    return lm, stats, reset, peak, base, lm.read_layers(3)
+
+
+def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device) -> dict[str, Any]:
+    """The fine-tuning profile: LoRA of rank ``lora_r`` on every linear layer of the decoder; one
+    layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens."""
+    import peft
+
+    seq = spec["seq"]
+    model = peft.get_peft_model(skeleton, peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"))
+    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(model, store, device, spec["engine"], "loading the resident group and the adapters")
     text = cfg.get_text_config(decoder=True)
     vocab = text.vocab_size
     dtype = next(p.dtype for p in lm.model.parameters() if p.dtype.is_floating_point)
