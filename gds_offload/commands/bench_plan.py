@@ -4,11 +4,15 @@ memory cap (:mod:`gds_offload.bench.weights.plan_bench`). Examples::
 
     gds-offload bench-plan --tiny --memory-limit 512MiB          # about a minute: the end-to-end check
     gds-offload bench-plan --memory-limit 1.2GiB --out docs/results/plan-cpu.json
+    gds-offload bench-plan --workload finetune --memory-limit 1.2GiB --out docs/results/plan-finetune-cpu.json
 
 ``--out`` writes the result file ``gds-offload report`` renders, and a PNG beside it (the plan's
 predicted curve with the measured points over it). Exit status: 0 every mode ran and the planned
 tokens equal the resident model's, 1 otherwise, 2 a usage error (every flag is checked before
-anything is measured).
+anything is measured). ``--workload finetune``: LoRA fine-tuning
+(:mod:`gds_offload.bench.weights.plan_finetune`), the plan against ordinary accumulation and the
+resident model on the same micro-batches; 0 when the planned losses and adapters equal the
+resident model's.
 """
 from __future__ import annotations
 
@@ -31,6 +35,12 @@ PEERS = ("accelerate-disk", "airllm", "deepspeed-zero-inference")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=("generate", "finetune"), default="generate", help="generation over many prompts (default), or LoRA fine-tuning")
+    p.add_argument("--sequences", type=positive_int, default=None, help="finetune: sequences in the workload (default 1024; --tiny 32)")
+    p.add_argument("--seq", type=positive_int, default=None, help="finetune: tokens per sequence (default 256; --tiny 16)")
+    p.add_argument("--global-batch", type=positive_int, default=None, help="finetune: sequences per optimizer step (default 64; --tiny 8)")
+    p.add_argument("--lora-r", type=positive_int, default=8, help="finetune: the adapters' rank (default 8)")
+    p.add_argument("--steps", type=positive_int, default=None, help="finetune: optimizer steps each mode runs (default 1; --tiny 3)")
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model and a small workload: about a minute")
     p.add_argument("--memory-limit", default=None, help="the cap of the streamed children (page cache included), e.g. 1.2GiB; needs root and cgroup v1")
     p.add_argument("--prompts", type=positive_int, default=None, help="prompts in the workload (default 512; --tiny 16)")
@@ -62,9 +72,24 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
             raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there; give a Hugging Face checkpoint directory")
         workdir = workdir_arg(args.workdir, tiny=args.tiny)
+        if args.workload == "finetune":
+            from gds_offload.weights.workload import Finetune
+
+            f = (32, 16, 8, 3) if args.tiny else (1024, 256, 64, 1)
+            sequences, seq, global_batch, steps = (v or dflt for v, dflt in zip((args.sequences, args.seq, args.global_batch, args.steps), f))
+            workload = Finetune(sequences, seq, global_batch, args.lora_r)
+            if steps > workload.steps:
+                raise ConfigError(f"--steps {steps}: the workload has {workload.steps} optimizer steps ({sequences} / {global_batch})")
+            if args.modes == ",".join(MODES):
+                modes = ("planned", "naive", "resident")
+            bad = [m for m in modes if m == "sweep"] + list(peers)
+            if bad:
+                raise ConfigError(f"--workload finetune runs planned, naive and resident; {', '.join(bad)} run with --workload generate")
     except ConfigError as exc:
         print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
         return 2
+    if args.workload == "finetune":
+        return _run_finetune(args, workload=workload, steps=steps, modes=modes, limit=limit, workdir=workdir)
     from rich.console import Console
 
     from gds_offload.bench.docs.report import current_commit
@@ -83,15 +108,40 @@ def run(args: argparse.Namespace) -> int:
                    machine=describe_machine(workdir).as_dict(), started=started)  # fmt: skip
     if args.out and args.out != "-" and args.plot != "":
         doc["plot"] = _plot(doc, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
-    if args.out == "-":
-        print(json.dumps(doc, indent=2, default=str))
-    else:
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        _print(doc, console)
+    _write(doc, args.out, console)
     planned = doc["results"].get("planned", {})
     return 0 if planned.get("tokens_per_s") and planned.get("exact") is not False else 1
+
+
+def _run_finetune(args: argparse.Namespace, *, workload: Any, steps: int, modes: tuple[str, ...], limit: int, workdir: Path) -> int:
+    from rich.console import Console
+
+    from gds_offload.bench.docs.report import current_commit
+    from gds_offload.bench.weights.plan_finetune import finetune_document, run_bench_finetune
+
+    console = Console(stderr=True)
+    started, commit = time.time(), current_commit()
+    try:
+        doc = run_bench_finetune(workdir=workdir, memory_limit=limit, workload=workload, steps=steps, modes=modes, tiny=args.tiny,
+                                 checkpoint=args.checkpoint, say=console.log, timeout_s=args.timeout)  # fmt: skip
+    except ConfigError as exc:
+        print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
+        return 2
+    doc = finetune_document(doc, title=args.title, command=getattr(args, "command_line", None) or "gds-offload bench-plan --workload finetune",
+                            commit=commit, machine=describe_machine(workdir).as_dict(), started=started)  # fmt: skip
+    _write(doc, args.out, console)
+    planned = doc["results"].get("planned", {})
+    return 0 if planned.get("tokens_per_s") and planned.get("exact") is not False else 1
+
+
+def _write(doc: dict[str, Any], out: str | None, console: Any) -> None:
+    if out == "-":
+        print(json.dumps(doc, indent=2, default=str))
+        return
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    _print(doc, console)
 
 
 #: The issue's targets: (name, measured key in the summary, need, the bound that can prove it out of reach).
