@@ -409,3 +409,31 @@ def test_stale_group_removal_spares_live_parents_and_busy_groups() -> None:
         for g in (live, reused, busy):
             if g.exists():
                 g.rmdir()
+
+
+#: A child of the protocol that echoes the spec it was given back as its result.
+_ECHO_CHILD = """
+import json, sys
+from gds_offload.bench import procs
+spec = json.loads(procs.read_spec(sys.argv[1:], "echo", "echo the spec"))
+procs.emit({"event": "result", "result": {"n": len(spec["payload"]), "head": spec["payload"][:8]}})
+"""
+
+
+def test_a_spec_over_the_kernels_argument_limit_reaches_the_child_through_a_file(tmp_path: Path) -> None:
+    """Linux refuses one argument over 128 KiB (E2BIG); a benchmark's spec may carry its
+    micro-batches. Over the limit it travels as ``--spec @FILE``, which the child reads and removes."""
+    import gds_offload.bench.procs as procs
+
+    payload = "0123456789" * 30_000  # 300 kB
+    spec = json.dumps({"payload": payload})
+    cmd = procs.child_command("x", spec)
+    assert cmd[-1].startswith("@") and len(cmd[-1]) < 4096
+    script = tmp_path / "echo.py"
+    script.write_text(_ECHO_CHILD)
+    run = procs.run_child([sys.executable, str(script), "--spec", cmd[-1]], env=procs.child_env(), memory_limit=None, timeout_s=120)
+    got = run.last("result")
+    assert got is not None, run.failure()
+    assert got["result"] == {"n": len(payload), "head": payload[:8]}
+    assert not Path(cmd[-1][1:]).exists(), "the child removed the spec's file"
+    assert procs.child_command("x", '{"a": 1}')[-1] == '{"a": 1}'  # a short spec stays on the command line

@@ -43,10 +43,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gds_offload.bench.cgroup import CapReport, MemoryCap
@@ -211,9 +213,21 @@ def die_with_parent() -> None:
 # ---------------------------------------------------------------------------------------
 # the protocol: parent side
 # ---------------------------------------------------------------------------------------
+#: Specs longer than this travel in a file (``--spec @PATH``): Linux refuses a single argument
+#: over 128 KiB (``MAX_ARG_STRLEN``), and a spec may carry a benchmark's micro-batches.
+SPEC_ARG_LIMIT = 64 * 1024
+
+
 def child_command(module: str, spec_json: str, *, python: str | None = None) -> list[str]:
-    """``python -m module --spec JSON``: how every benchmark child is started."""
-    return [python or sys.executable, "-m", module, "--spec", spec_json]
+    """``python -m module --spec JSON``: how every benchmark child is started (``--spec @PATH``, a
+    private file the child reads and removes, when the JSON is over :data:`SPEC_ARG_LIMIT`)."""
+    arg = spec_json
+    if len(spec_json) > SPEC_ARG_LIMIT:
+        fd, path = tempfile.mkstemp(prefix="gds_offload-spec-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(spec_json)
+        arg = "@" + path
+    return [python or sys.executable, "-m", module, "--spec", arg]
 
 
 def child_env(extra: Mapping[str, str] | None = None, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -371,12 +385,17 @@ def read_spec(argv: Sequence[str] | None, module: str, description: str) -> str:
     """A child's only argument, ``--spec JSON`` (returned as text), read once the child is tied
     to its parent (:func:`die_with_parent`) and, under a memory cap, let go by it."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    parser.add_argument("--spec", required=True, help="the run, as JSON")
+    parser.add_argument("--spec", required=True, help="the run, as JSON (or @PATH: a file holding it, removed once read)")
     args = parser.parse_args(argv)
     die_with_parent()
     if os.environ.pop(GO_ENV, None):  # not inherited by what this child starts
         sys.stdin.readline()
-    return args.spec
+    if args.spec.startswith("@"):
+        path = Path(args.spec[1:])
+        text = path.read_text()
+        path.unlink(missing_ok=True)
+        return text
+    return str(args.spec)
 
 
 def emit(event: Mapping[str, Any]) -> None:
