@@ -88,7 +88,7 @@ SCORES = dict(output_scores=True, return_dict_in_generate=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("kv", ["device", "drive"])
+@pytest.mark.parametrize("kv", ["device", "host", "drive"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_generate_many_equals_the_resident_model_per_micro_batch(stores: dict[str, tuple[Path, Path]], kv_dir: Path, arch: str, kv: str, sample: bool) -> None:
     ckpt, store = stores[arch]

@@ -46,7 +46,7 @@ def _prompts(n: int = 9) -> list[torch.Tensor]:
     return [torch.randint(1, VOCAB, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
-@pytest.mark.parametrize("kv", ["device", "drive"])
+@pytest.mark.parametrize("kv", ["device", "host", "drive"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_generate_many_on_cuda_equals_the_resident_model_per_micro_batch(ckpt_store: tuple[Path, Path], tmp_path: Path, kv: str, sample: bool) -> None:
     ckpt, store = ckpt_store

@@ -99,6 +99,8 @@ def test_bad_workloads_are_refused() -> None:
     for kw in ({"prompts": 0}, {"prompt_len": -1}, {"new_tokens": 1.5}, {"prompts": True}):
         with pytest.raises(ConfigError, match="must be an int >= 1"):
             Generate(**(dict(prompts=4, prompt_len=4, new_tokens=4) | kw))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kv=host: the planner models the cache on the device or the drive"):
+        choose(_profile(), Generate(4, 4, 4), 4 * GiB, kv=(KVPlacement.HOST,))
 
 
 def test_scaling_compute_scales_the_prediction() -> None:

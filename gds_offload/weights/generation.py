@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from gds_offload.errors import ConfigError
 from gds_offload.io.directory import spill_dir_origin
@@ -120,7 +121,9 @@ def generate_many(
         micro_batch: prompts per micro-batch (``b``; default 8); per_load: micro-batches per weight load (``n``; default 4).
         prefill_chunk: prefill this many positions per forward (Hugging Face's ``prefill_chunk_size``:
             less activation memory per micro-batch; the reference passes it too). ``None``: whole prompts.
-        kv: ``"device"`` (default: Hugging Face's own cache, in memory) or ``"drive"`` (each micro-batch-layer's
+        kv: ``"device"`` (default: Hugging Face's own cache, in memory), ``"host"`` (on CUDA,
+            Hugging Face's ``DynamicCache(offloading=True)``: each layer's cache in host memory
+            between uses; on the CPU the same as ``"device"``) or ``"drive"`` (each micro-batch-layer's
             cache in a spill file in ``kv_path``, read back just before the layer; default directory
             ``$GDS_OFFLOAD_DIR``, else ``<tmp>/gds_offload-<uid>``).
         seed: micro-batch ``j`` samples as ``torch.manual_seed(seed + j)`` would make it; ``None``: a
@@ -206,7 +209,9 @@ def _wave(
         pool = KVPool(shapes, engine=lm.kv_engine(), directory=kv_path or _default_dir(), device=device)
 
     def call(j: int, mb: MicroBatch) -> Any:
-        extra = {} if pool is None else {cache_argument(): pool.cache(j)}
+        extra: dict[str, Any] = {} if pool is None else {cache_argument(): pool.cache(j)}
+        if placement is KVPlacement.HOST and device.type == "cuda":
+            extra = {cache_argument(): DynamicCache(config=model.config, offloading=True)}
         return model.generate(mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), max_new_tokens=max_new_tokens,
                               pad_token_id=pad, **extra, **kwargs)  # fmt: skip
 

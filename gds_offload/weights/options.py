@@ -25,6 +25,10 @@ class KVPlacement(str, enum.Enum):
     (:mod:`gds_offload.weights.kv`)."""
 
     DEVICE = "device"  #: Hugging Face's own DynamicCache, on the model's device
+    #: Host memory: on CUDA, Hugging Face's ``DynamicCache(offloading=True)`` (each layer's cache
+    #: copied to host memory after the layer, the next layer's brought back on a side stream);
+    #: on the CPU the host is the device, so it is :attr:`DEVICE`'s cache.
+    HOST = "host"
     DRIVE = "drive"  #: a KVPool's regions in a spill file, read back per layer
 
 

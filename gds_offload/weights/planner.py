@@ -156,7 +156,7 @@ def _most_resident(profile: Profile, workload: Workload, choice: Choice, usable:
 
 
 def choose(
-    profile: Profile, workload: Workload, memory: int, *, kv: tuple[KVPlacement, ...] = tuple(KVPlacement),
+    profile: Profile, workload: Workload, memory: int, *, kv: tuple[KVPlacement, ...] = (KVPlacement.DEVICE, KVPlacement.DRIVE),
     ring: tuple[int, int] | None = None,
 ) -> Plan:  # fmt: skip
     """The fastest choice for ``workload`` that fits ``memory`` bytes (see the module doc); among
@@ -169,6 +169,9 @@ def choose(
     """
     if not isinstance(workload, (Generate, Finetune)):
         raise ConfigError(f"workload={workload!r}: the planner plans Generate and Finetune workloads (gds_offload.weights)")
+    if KVPlacement.HOST in kv:
+        raise ConfigError("kv=host: the planner models the cache on the device or the drive, not host<->device copies; "
+                          "pass kv='host' to generate_many by hand")
     usable = HEADROOM * memory
     estimates = []
     for shape in _shapes(workload, kv=kv):
