@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.kvikio_engine import kvikio_status
-from gds_offload.io.staging import CudaBackend, SideStreams, Staging, StagingPool, copy_in_chunks, copy_out_chunks
+from gds_offload.io.staging import CudaBackend, SideStreams, Staging, StagingPool, copy_in_chunks, copy_out_chunks, held_nbytes
 
 KVIK_OK, KVIK_WHY = kvikio_status()
 needs_kvikio = pytest.mark.skipif(not KVIK_OK, reason=f"needs KvikIO (and libcuda.so.1 for its host I/O): {KVIK_WHY}")
@@ -84,8 +85,12 @@ class FakeBackend(CudaBackend):
         return contextlib.nullcontext()
 
     def pinned(self, nbytes: int) -> torch.Tensor:
+        # page-aligned, as cudaHostAlloc's blocks are (mmap gives whole pages)
         self.log.append(("pinned", nbytes))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+    def current_device(self) -> int:
+        return 0
 
     def count(self, kind: str) -> int:
         return sum(1 for entry in self.log if entry[0] == kind)
@@ -202,6 +207,23 @@ def test_a_failing_sink_or_source_still_drains_the_side_stream() -> None:
     assert backend.log[-1] == ("sync_stream", stage.stream.name)
 
 
+class _MisalignedBackend(FakeBackend):
+    """Blocks that start 64 bytes past a page: the pool must ask again for a page more and align."""
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        self.log.append(("pinned", nbytes))
+        return torch.frombuffer(mmap.mmap(-1, nbytes + 4096), dtype=torch.uint8)[64 : 64 + nbytes]
+
+
+def test_a_staging_buffer_is_page_aligned_even_if_the_allocator_is_not() -> None:
+    backend = _MisalignedBackend()
+    stage = Staging(CUDA, CHUNK, backend, count=1)
+    assert stage.buffers[0].data_ptr() % 4096 == 0 and stage.buffers[0].numel() == CHUNK
+    assert [e[1] for e in backend.log if e[0] == "pinned"] == [CHUNK, CHUNK + 4096]
+    assert stage.pinned_nbytes == held_nbytes(CHUNK + 4096)  # the block the buffer keeps
+    assert held_nbytes(8 << 20) == 8 << 20 and held_nbytes((8 << 20) + 4096) == 16 << 20 and held_nbytes(1) == 1
+
+
 def test_staging_pool_and_side_streams_are_per_thread_and_device() -> None:
     import threading
 
@@ -215,7 +237,10 @@ def test_staging_pool_and_side_streams_are_per_thread_and_device() -> None:
     t.start()
     t.join()
     assert other[0] is not mine and other[1] is not streams.get(CUDA)
-    assert pool.pinned_bytes == 3 * 2 * (CHUNK + 4096)
+    assert pool.get(torch.device("cuda")) is pool.get(torch.device("cuda", 0)), "cuda is the current device, cuda:0 here"
+    # exactly the chunk, not a page more: torch's caching host allocator would round 8 KiB + 4 KiB up to 16 KiB
+    assert [e for e in backend.log if e[0] == "pinned"][0] == ("pinned", CHUNK)
+    assert pool.pinned_bytes == 3 * 2 * held_nbytes(CHUNK) == 3 * 2 * CHUNK
     assert StagingPool(CHUNK, backend, count=1).get(CUDA).buffers.__len__() == 1
     pool.close()
     assert pool.pinned_bytes == 0

@@ -95,6 +95,9 @@ class CudaBackend:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
 
 class Staging:
     """A side stream on ``device``, ``count`` page-aligned pinned host buffers of
@@ -116,13 +119,22 @@ class Staging:
         self.chunk_bytes = chunk_bytes
         self.stream = self.backend.stream(device)
         self.events = [self.backend.event() for _ in range(count)]
+        #: Pinned bytes the buffers hold, as torch's caching host allocator reserves them.
+        self.pinned_nbytes = 0
         self.buffers = [self._aligned(chunk_bytes) for _ in range(count)]
         #: Whether buffer i has a copy queued that was not waited for yet.
         self._queued = [False] * count
 
     def _aligned(self, nbytes: int) -> torch.Tensor:
-        # torch's pinned allocator promises no page alignment; O_DIRECT needs it.
-        return aligned_view(self.backend.pinned(nbytes + ALIGN), nbytes)
+        # torch's pinned allocator promises no page alignment (O_DIRECT needs it), but its blocks
+        # come from cudaHostAlloc, which gives whole pages: ask for exactly ``nbytes`` first. Asking
+        # for ``nbytes + ALIGN`` up front would make its caching allocator, which rounds every
+        # request up to a power of two, hold twice a power-of-two chunk.
+        block = self.backend.pinned(nbytes)
+        if block.data_ptr() % ALIGN:
+            block = self.backend.pinned(nbytes + ALIGN)
+        self.pinned_nbytes += held_nbytes(block.numel())
+        return aligned_view(block, nbytes)
 
     def copy_out(self, i: int, src: torch.Tensor) -> None:
         """Queue ``buffers[i][:n] <- src`` (``n = src.numel()`` bytes of device memory) on the side stream."""
@@ -204,15 +216,34 @@ def copy_in_chunks(stage: Staging, dst: torch.Tensor, source: Callable[[torch.Te
         stage.drain()
 
 
-class _PerThreadDevice(Generic[T]):
-    """One value per (thread, device), made by ``make(device)`` on its first use. Thread-safe."""
+def indexed_device(device: torch.device, current: Callable[[], int] = torch.cuda.current_device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (``cuda:N``), as
+    ``tensor.device`` always names it; other devices as given. Registries keyed by device need it:
+    ``torch.device("cuda") != torch.device("cuda:0")``, so a warm-up given ``cuda`` would otherwise
+    set up values the engine threads, which look up ``tensor.device``, never find."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", current())
+    return device
 
-    def __init__(self, make: Callable[[torch.device], T]) -> None:
+
+def held_nbytes(nbytes: int) -> int:
+    """What torch's caching host allocator reserves for a pinned request of ``nbytes``: the next
+    power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class _PerThreadDevice(Generic[T]):
+    """One value per (thread, device), made by ``make(device)`` on its first use. Thread-safe.
+    ``cuda`` and ``cuda:<current>`` are one device (:func:`indexed_device`)."""
+
+    def __init__(self, make: Callable[[torch.device], T], backend: CudaBackend) -> None:
         self._make = make
+        self._backend = backend
         self._lock = threading.Lock()
         self._values: dict[tuple[int, torch.device], T] = {}
 
     def get(self, device: torch.device) -> T:
+        device = indexed_device(device, self._backend.current_device)
         key = (threading.get_ident(), device)
         with self._lock:
             value = self._values.get(key)
@@ -239,7 +270,7 @@ class StagingPool(_PerThreadDevice[Staging]):
         chunk_bytes: each staging buffer's size (a multiple of 4 KiB).
         backend: the CUDA calls (:class:`CudaBackend`).
 
-    Pinned host memory: ``count * chunk_bytes`` (plus a page each) per engine thread that
+    Pinned host memory: ``count * chunk_bytes`` (rounded up to a power of two each) per engine thread that
     moved device memory; :attr:`pinned_bytes` says how much. :meth:`close` hands it back to
     torch's pinned-memory cache. Pinning memory is an implicit synchronization point of the
     device (CUDA C++ Programming Guide, "Implicit Synchronization"), so a thread's first
@@ -247,12 +278,14 @@ class StagingPool(_PerThreadDevice[Staging]):
     """
 
     def __init__(self, chunk_bytes: int, backend: CudaBackend | None = None, *, count: int = 2) -> None:
-        super().__init__(lambda device: Staging(device, chunk_bytes, backend, count=count))
+        backend = backend or CudaBackend()
+        super().__init__(lambda device: Staging(device, chunk_bytes, backend, count=count), backend)
         self.chunk_bytes = chunk_bytes
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(len(s.buffers) * (s.chunk_bytes + ALIGN) for s in self.values())
+        """Pinned host memory the buffers hold, as torch's caching host allocator reserves it."""
+        return sum(s.pinned_nbytes for s in self.values())
 
 
 class SideStreams(_PerThreadDevice[Any]):
@@ -260,7 +293,7 @@ class SideStreams(_PerThreadDevice[Any]):
 
     def __init__(self, backend: CudaBackend | None = None) -> None:
         self.backend = backend or CudaBackend()
-        super().__init__(self.backend.stream)
+        super().__init__(self.backend.stream, self.backend)
 
     @contextlib.contextmanager
     def use(self, device: torch.device) -> Iterator[Any]:
