@@ -633,3 +633,13 @@ def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str
 
     check = bandwidth_check(_Report(), [{"gds": rate}], [], [], 1 << 20)  # type: ignore[arg-type]
     assert label in check.detail
+
+
+def test_a_kvikio_older_than_the_floor_is_unusable_with_the_fix_named() -> None:
+    from gds_offload.io.kvikio_engine import KVIKIO_FLOOR, version_status
+
+    assert KVIKIO_FLOOR == (25, 12)
+    ok, why = version_status("25.10.0")
+    assert not ok and "older than 25.12" in why and "kvikio-cu12>=25.12" in why
+    assert version_status("25.12.1") == (True, "KvikIO 25.12.1") and version_status("26.10.0")[0]
+    assert version_status("nightly")[0]  # a development build's settings cannot be told from its name

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,20 @@ def test_layout_is_aligned_and_one_range_per_layer(ckpt: Path, store: Path) -> N
     for t in m.tensors:  # every tensor's bytes where the manifest says
         assert data[t.offset : t.offset + t.nbytes] == state[t.name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     assert (store / "config.json").is_file() and not list(store.glob("*.partial"))
+    assert m.tensor_align == 256 and all(t.offset % 256 == 0 for t in m.tensors), "new stores: cuBLASLt's alignment"
+
+
+def test_a_store_written_with_64_byte_offsets_still_loads_and_is_exact(base: Path, ids: torch.Tensor) -> None:
+    ckpt = save_checkpoint(llama_config(hidden_size=48, intermediate_size=100), base / "ckpt-48")  # 192-byte norms
+    old = convert(ckpt, base / "store-64", tensor_align=64)
+    assert old.tensor_align == 64 and any(t.offset % 256 for t in old.tensors)
+    assert all(t.offset % 256 == 0 for t in convert(ckpt, base / "store-256").tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on the CPU no kernel choice depends on it: no warning
+        with load_streamed(meta_skeleton(base / "store-64"), base / "store-64") as lm, torch.no_grad():
+            got = lm.model(ids).logits
+    with torch.no_grad():
+        assert torch.equal(got, resident_model(ckpt)(ids).logits)
 
 
 def test_sharded_checkpoint_converts_to_the_same_store(base: Path, store: Path) -> None:

@@ -171,3 +171,24 @@ def test_cuda_gradient_checkpointing_recomputes_with_the_streamed_weights(ckpt_s
         got = _train_step(h.model, ids, checkpointing=True)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_cuda_a_gemm_on_a_256_byte_aligned_view_equals_one_on_an_allocator_block() -> None:
+    """Why stores place tensors at 256 bytes: cuBLASLt picks kernels by operand alignment. A weight
+    viewed at a 256-byte offset of a buffer multiplies like a fresh allocation (512-aligned) does."""
+    torch.manual_seed(0)
+    w = torch.randn(1000, 1000, device="cuda")
+    x = torch.randn(37, 1000, device="cuda")
+    buf = torch.empty(4096 + w.numel() * 4, dtype=torch.uint8, device="cuda")
+    view = buf[256 : 256 + w.numel() * 4].view(torch.float32).view(1000, 1000)
+    view.copy_(w)
+    assert view.data_ptr() % 256 == 0
+    assert torch.equal(x @ view.t(), x @ w.t())
+
+
+def test_cuda_a_store_with_64_byte_offsets_warns_that_outputs_may_differ(tmp_path: Path) -> None:
+    ckpt = save_checkpoint(llama_config(hidden_size=48, intermediate_size=100), tmp_path / "ckpt")
+    convert(ckpt, tmp_path / "store", tensor_align=64)
+    with pytest.warns(UserWarning, match="Convert it again"):
+        lm = load_streamed(meta_skeleton(tmp_path / "store"), tmp_path / "store", device="cuda")
+    lm.close()

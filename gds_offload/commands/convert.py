@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CHECKPOINT OUT [OUT2 ...] (OUT2...: stripe layers over more drives); with --check and one PATH: the store to check")  # fmt: skip
     p.add_argument("--check", action="store_true", help="re-read the store and check every group's xxh3-64 checksum")
     p.add_argument("--layer-prefix", default=None, help="module path of the repeated blocks, e.g. model.layers (default: found from the names)")
-    p.add_argument("--tensor-align", type=int, default=64, help="alignment of tensors inside a layer, in bytes (divides 4096; default 64)")
+    p.add_argument("--tensor-align", type=int, default=256, help="alignment of tensors inside a layer, in bytes (divides 4096; default 256: what cuBLASLt looks at)")
     p.add_argument("--force", action="store_true", help="replace a store already in OUT")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 

@@ -98,7 +98,24 @@ def kvikio_status() -> tuple[bool, str]:
         ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return False, f"KvikIO needs libcuda.so.1 (the NVIDIA driver's library): {exc}"
-    return True, f"KvikIO {kvikio.__version__}"
+    return version_status(str(kvikio.__version__))
+
+
+#: The oldest KvikIO with the settings the engines set (``auto_direct_io_read``/``_write`` came in 25.12).
+KVIKIO_FLOOR = (25, 12)
+
+
+def version_status(version: str) -> tuple[bool, str]:
+    """``(usable, reason)`` of a KvikIO ``version``: older than :data:`KVIKIO_FLOOR` lacks settings the
+    engines set (its ``kvikio.defaults.set`` raises ``KeyError`` on them)."""
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return True, f"KvikIO {version}"  # a development build: its settings cannot be told from the name
+    if have < KVIKIO_FLOOR:
+        floor = ".".join(map(str, KVIKIO_FLOOR))
+        return False, f"KvikIO {version} is older than {floor} (no auto_direct_io settings); pip install 'kvikio-cu12>={floor}' (or -cu13)"
+    return True, f"KvikIO {version}"
 
 
 def cufile_config_path(env: Any = None) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from gds_offload.errors import ConfigError
 from gds_offload.io.layout import ALIGN, align_up
-from gds_offload.weights.manifest import DTYPE_SIZES, RESIDENT, GroupEntry, TensorEntry
+from gds_offload.weights.manifest import DTYPE_SIZES, RESIDENT, TENSOR_ALIGN, GroupEntry, TensorEntry
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 __all__ = ["CheckpointTensor", "Checkpoint", "find_checkpoint", "group_tensors", "plan_layout", "SAFETENSORS_DTYPES"]
@@ -184,7 +184,7 @@ def plan_layout(
     layer_prefix: str | None,
     *,
     n_files: int = 1,
-    tensor_align: int = 64,
+    tensor_align: int = TENSOR_ALIGN,
 ) -> tuple[list[GroupEntry], list[TensorEntry], list[int]]:
     """Offsets for every group and tensor: ``(groups, tensors, file sizes)``.
 
@@ -195,7 +195,7 @@ def plan_layout(
     its element size, should ``tensor_align`` be smaller (its view in a group's buffer needs it).
     """
     if tensor_align < 1 or ALIGN % tensor_align:
-        raise ConfigError(f"tensor_align={tensor_align}: must divide {ALIGN} (64 or 4096 are usual)")
+        raise ConfigError(f"tensor_align={tensor_align}: must divide {ALIGN} (256, the default, or 4096 are usual)")
     members: dict[int | None, list[CheckpointTensor]] = {}
     for t in tensors:
         members.setdefault(where[t.name], []).append(t)

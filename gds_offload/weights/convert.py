@@ -45,7 +45,7 @@ from gds_offload.io.layout import File, Slot
 from gds_offload.units import format_bytes
 from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
-from gds_offload.weights.manifest import MANIFEST_NAME, FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.manifest import MANIFEST_NAME, TENSOR_ALIGN, FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
 from gds_offload.weights.outdir import DATA_NAME, prepare_dirs, remove_store, write_small_file
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
@@ -83,7 +83,7 @@ def convert(
     *,
     config: object = None,
     layer_prefix: str | None = None,
-    tensor_align: int = 64,
+    tensor_align: int = TENSOR_ALIGN,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Manifest:

@@ -9,8 +9,9 @@ aligned ``O_DIRECT`` (or cuFile) read:
 * one group per repeated block (decoder layer), named by its module path (``model.layers.3``),
   in layer order.
 
-Inside a group, tensors start at multiples of ``tensor_align`` (64 bytes: every dtype's
-elements stay aligned in a view of the group's buffer), one after the other, the group's
+Inside a group, tensors start at multiples of ``tensor_align`` (256 bytes since
+:data:`TENSOR_ALIGN`; 64 in older stores, which still load: every dtype's elements stay aligned
+in a view of the group's buffer), one after the other, the group's
 ``nbytes`` ending with its last. Each tensor's ``offset`` is its absolute offset in its
 group's file. A group's ``xxh3_64`` covers its ``nbytes`` data bytes (not the padding); a
 tensor's (format 2) covers its own bytes.
@@ -43,6 +44,7 @@ from gds_offload.weights.store_config import (
 from gds_offload.weights.trust import check_name, open_dir, read_file
 
 __all__ = [
+    "TENSOR_ALIGN",
     "DTYPE_SIZES",
     "FORMAT",
     "FORMAT_VERSION",
@@ -65,6 +67,12 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 #: Name of the group of non-repeated tensors.
 RESIDENT = "resident"
+#: Where tensors start inside a group, in stores written now: cuBLASLt picks its kernels by the
+#: operands' pointer alignment (up to 256 bytes), so a streamed weight at a 64-byte offset could
+#: get another kernel than the resident model's (allocator-aligned) weight, and other last bits.
+TENSOR_ALIGN = 256
+#: Stores written before :data:`TENSOR_ALIGN` placed tensors at 64 bytes; they still load.
+LEGACY_TENSOR_ALIGN = 64
 MANIFEST_NAME = "manifest.json"
 #: The most bytes a manifest may have (a model of a million tensors needs a fraction of it).
 MANIFEST_LIMIT = 256 << 20
@@ -142,7 +150,7 @@ class Manifest:
     generation_config_sha256: str | None = None
     #: The module path of the repeated blocks (``model.layers``); ``None``: no layers found.
     layer_prefix: str | None = None
-    tensor_align: int = 64
+    tensor_align: int = LEGACY_TENSOR_ALIGN
     #: The output directories as given to convert (hints for error messages only).
     dirs: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
@@ -264,7 +272,7 @@ class _Parser:
             config_file_sha256=self.string(d.get("config_file_sha256"), "config_file_sha256", optional=True, pattern=_SHA256),
             generation_config_sha256=self.string(d.get("generation_config_sha256"), "generation_config_sha256", optional=True, pattern=_SHA256),
             layer_prefix=self.string(d.get("layer_prefix"), "layer_prefix", optional=True),
-            tensor_align=self.integer(d.get("tensor_align", 64), "tensor_align"),
+            tensor_align=self.integer(d.get("tensor_align", LEGACY_TENSOR_ALIGN), "tensor_align"),
             dirs=dirs, source=d.get("source", {}), format=d["format"], format_version=d["format_version"],
         )  # fmt: skip
 

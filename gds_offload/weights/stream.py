@@ -67,6 +67,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ from gds_offload.weights.generation import ManyOutput, generate_many
 from gds_offload.weights.interrupts import held
 from gds_offload.weights.layer_hooks import LayerHooks
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
-from gds_offload.weights.manifest import GroupEntry, check_config, read_manifest
+from gds_offload.weights.manifest import TENSOR_ALIGN, GroupEntry, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
 from gds_offload.weights.planner import Plan
 from gds_offload.weights.prefetch import Prefetch
@@ -195,6 +196,10 @@ class StreamedModel(LayerHooks):
         self._turn = Turn(str(first))
         self._closed = self._shut = False
         manifest = read_manifest(first)
+        if dev.type == "cuda" and manifest.tensor_align < TENSOR_ALIGN:
+            warnings.warn(f"{first}: tensors start at multiples of {manifest.tensor_align} bytes (a store written before {TENSOR_ALIGN}); "
+                          f"cuBLAS may pick other kernels for them than for the resident model's, so outputs may differ in the last "
+                          f"bits. Convert it again (gds-offload convert --force) for {TENSOR_ALIGN}-byte offsets", stacklevel=3)  # fmt: skip
         layers = manifest.layers
         plan = plan_residency(manifest.resident, layers, slots=o.slots, max_memory=o.max_memory, resident_layers=o.resident_layers,
                               hold_all=o.tier == "host" and dev.type == "cpu")  # fmt: skip
