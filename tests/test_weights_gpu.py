@@ -192,3 +192,18 @@ def test_cuda_a_store_with_64_byte_offsets_warns_that_outputs_may_differ(tmp_pat
     with pytest.warns(UserWarning, match="Convert it again"):
         lm = load_streamed(meta_skeleton(tmp_path / "store"), tmp_path / "store", device="cuda")
     lm.close()
+
+
+def test_cuda_checksum_of_device_bytes_does_not_wait_for_queued_compute() -> None:
+    """``verify`` hashes each device fill on an engine thread; its copy to host must not wait for
+    the kernels queued on the default stream (that would stall every prefetch behind compute)."""
+    from gds_offload.io.integrity import checksum
+
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    want = checksum(data.cpu())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_SLEEP_CYCLES * 20)  # about a second of GPU time queued on the default stream
+    got = checksum(data)
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert got == want and still_busy, "the checksum waited for the default stream's queued kernel"

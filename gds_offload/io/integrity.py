@@ -27,8 +27,10 @@ validation aid on GPUs, not a default.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -42,12 +44,31 @@ if TYPE_CHECKING:
 __all__ = ["checksum", "checked_read", "checked_write"]
 
 
-def checksum(data: torch.Tensor) -> int:
-    """xxh3-64 of the bytes of a contiguous ``uint8`` tensor (CUDA tensors are copied to host first)."""
+def checksum(data: torch.Tensor, *, streams: Callable[[torch.device], Any] | None = None) -> int:
+    """xxh3-64 of the bytes of a contiguous ``uint8`` tensor.
+
+    CUDA tensors are copied to host first, on this thread's own side stream (``streams(device)``;
+    default: one from torch's pool per thread and device, which never waits for the legacy
+    default stream), so a verified fill on an engine thread does not wait for all the compute
+    queued on the device. The copy waits for no stream: call it only on bytes whose transfer has
+    finished (a completed read into them, or a completed write out of them), as both callers do.
+    """
     assert data.dtype == torch.uint8 and data.is_contiguous(), "checksum takes contiguous byte tensors"
     if data.device.type != "cpu":
-        data = data.cpu()
+        side = (streams or _side_stream)(data.device)
+        with torch.cuda.stream(side):
+            data = data.cpu()  # cudaMemcpyAsync on the side stream, then a sync of that stream only
     return xxhash.xxh3_64_intdigest(data.numpy().data)
+
+
+_local = threading.local()
+
+
+def _side_stream(device: torch.device) -> Any:
+    cache: dict[torch.device, Any] = _local.__dict__.setdefault("streams", {})
+    if device not in cache:
+        cache[device] = torch.cuda.Stream(device=device)
+    return cache[device]
 
 
 def _where(slot: Slot) -> str:
