@@ -259,6 +259,7 @@ def test_a_state_from_another_order_is_refused(shards: Path, tmp_path: Path) -> 
 
 
 # ---------------------------------------------------------------------- the GPU reader
+@pytest.mark.dali
 @requires_dali
 @cuda_test
 def test_gpu_reader_serves_what_the_cpu_reader_serves(shards: Path) -> None:
@@ -269,6 +270,7 @@ def test_gpu_reader_serves_what_the_cpu_reader_serves(shards: Path) -> None:
 
 
 @pytest.mark.gds
+@pytest.mark.dali
 @requires_dali
 @cuda_test
 def test_gds_reader_path_reports_its_reader(shards: Path) -> None:

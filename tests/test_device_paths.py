@@ -643,3 +643,10 @@ def test_a_kvikio_older_than_the_floor_is_unusable_with_the_fix_named() -> None:
     assert not ok and "older than 25.12" in why and "kvikio-cu12>=25.12" in why
     assert version_status("25.12.1") == (True, "KvikIO 25.12.1") and version_status("26.10.0")[0]
     assert version_status("nightly")[0]  # a development build's settings cannot be told from its name
+
+
+def test_a_strict_gds_refusal_names_a_loaded_module_known_to_open_the_driver() -> None:
+    from gds_offload.io.kvikio_engine import driver_openers
+
+    assert driver_openers({"torch": object()}) == ""
+    assert "nvidia.dali" in driver_openers({"nvidia.dali": object()}) and "own process" in driver_openers({"nvidia.dali": object()})

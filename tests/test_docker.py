@@ -262,20 +262,24 @@ def test_gpu_check_dry_run(tmp_path):
                           timeout=180, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "gpu_check.json").read_text())
-    assert summary["schema"] == "gpu_check/1" and summary["dry_run"] is True
+    assert summary["schema"] == "gpu_check/2" and summary["dry_run"] is True
     assert summary["failed"] == [] and summary["nvidia_smi"] is not None
     assert summary["versions"]["python"] and "torch" in summary["versions"]
     parts = {p["name"]: p for p in summary["parts"]}
     assert parts["pytest-collect"]["exit_code"] in (0, 5)
     assert parts["gds-check-no-bench"]["exit_code"] in (0, 1, 2)
     assert parts["gds-check-no-bench"]["duration_s"] is not None
-    for name in ("pytest", "gds-check", "bench"):
+    for name in ("pytest", "pytest-dali", "plan", "gds-check", "bench"):
         assert parts[name]["status"] == "skipped (dry run)" and parts[name]["exit_code"] is None
+        assert parts[name]["state"] == "skipped" and parts[name]["why"] == "skipped (dry run)"
+    assert parts["pytest-collect"]["state"] == "passed"
     assert "bench --device cuda --layers 8" in parts["bench"]["command"]
     assert parts["bench-args"]["exit_code"] == 0, "the bench's arguments parse as the real run would"
     assert summary["part_limits_s"] <= summary["budget_s"], "the part limits fit the budget by construction"
     assert summary["versions"].get("gds_offload"), "versions are read after the install step, from the package"
-    assert "-m gpu\\ or\\ gds" in parts["pytest"]["command"]
+    assert "-m \\(gpu\\ or\\ gds\\)\\ and\\ not\\ dali" in parts["pytest"]["command"], parts["pytest"]["command"]
+    assert "test_weights_gpu.py" in parts["pytest"]["command"] and parts["pytest"]["command"].endswith(" tests"), "exactness first, then the rest"
+    assert summary["budget_s"] <= 420, "the whole run stays under 7 minutes"
     doc = json.loads((out / "gds-check.json").read_text())
     assert schema_violations(doc) == []
     assert summary["gds_check_verdict"] == doc["verdict"]
@@ -283,6 +287,18 @@ def test_gpu_check_dry_run(tmp_path):
     printed = [ln for ln in done.stderr.splitlines() if ln.startswith("+ ")]
     assert len(printed) >= 5 and any("bench --device cuda" in ln for ln in printed)
     assert not (out / "parts.tsv").exists()
+
+
+def test_gpu_check_without_cuda_exits_3_at_once_and_writes_its_summary(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ) | {"PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(GPU_CHECK), str(out)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 3 and "CUDA is not available" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["schema"] == "gpu_check/2" and [p["name"] for p in summary["parts"]] == ["cuda"]
+    assert summary["parts"][0]["state"] == "failed" and "is_available() is False" in summary["parts"][0]["why"]
+    assert not (out / "pytest.log").exists(), "nothing else ran"
 
 
 def test_gpu_check_usage():

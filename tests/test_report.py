@@ -148,3 +148,14 @@ def test_result_files_with_the_old_seconds_keys_render_as_new_ones(tmp_path: Pat
     pages = [render_page(load_sections(tmp_path / name), tmp_path / name, command="gds-offload report") for name in ("old", "new")]
     assert pages[0] == pages[1]
     assert "| offload:posix |" in pages[0] and "exact" in pages[0]
+
+
+def test_the_gpu_section_says_plainly_that_no_gpu_figure_exists_until_one_does(tmp_path: Path) -> None:
+    from gds_offload.bench.docs.report import Section, gpu_section
+
+    cpu = Section(tmp_path / "a.json", {"command": "x", "machine": {"gpus": []}})
+    text = "\n".join(gpu_section([cpu]))
+    assert "## GPU" in text and "No GPU figure exists yet" in text and "scripts/gpu_check.sh OUTDIR" in text
+    gpu = Section(tmp_path / "b.json", {"command": "x", "machine": {"gpus": ["NVIDIA H200"]}})
+    text = "\n".join(gpu_section([cpu, gpu]))
+    assert "NVIDIA H200" in text and "No GPU figure" not in text

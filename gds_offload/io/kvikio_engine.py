@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -99,6 +101,19 @@ def kvikio_status() -> tuple[bool, str]:
     except OSError as exc:
         return False, f"KvikIO needs libcuda.so.1 (the NVIDIA driver's library): {exc}"
     return version_status(str(kvikio.__version__))
+
+
+#: Modules known to open the cuFile driver in-process with compat mode allowed (DALI's GPU readers).
+_DRIVER_OPENERS = ("nvidia.dali",)
+
+
+def driver_openers(modules: Mapping[str, object] | None = None) -> str:
+    """``" (opened by ...)"``: the modules loaded in this process that are known to open the
+    cuFile driver on their own (``""``: none), for the message of a strict ``gds`` engine that
+    found the driver already open."""
+    loaded = sys.modules if modules is None else modules
+    found = [m for m in _DRIVER_OPENERS if m in loaded]
+    return f" (loaded here and known to open it with compat allowed: {', '.join(found)}; run it in its own process)" if found else ""
 
 
 #: The oldest KvikIO with the settings the engines set (``auto_direct_io_read``/``_write`` came in 25.12).
@@ -215,7 +230,7 @@ class KvikIOEngine(PageSpanEngine):
             if strict and not fallback.off:
                 self._pool.shutdown(wait=False)
                 raise GDSUnavailableError(
-                    f"mode='gds' must not let cuFile fall back to POSIX unannounced, but {fallback.detail}. Set "
+                    f"mode='gds' must not let cuFile fall back to POSIX unannounced, but {fallback.detail}{driver_openers()}. Set "
                     f"\"allow_compat_mode\": false in cufile.json (or point CUFILE_ENV_PATH_JSON at a copy that does), "
                     "create the offloader before anything else opens the cuFile driver, or use mode='auto' (which reports "
                     "what it knows) or mode='compat'"

@@ -358,4 +358,21 @@ def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str
     ]
     for s in sections:
         lines += render_section(s, page_dir)
+    lines += gpu_section(sections)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def gpu_section(sections: list[Section]) -> list[str]:
+    """The page's "GPU" section: the GPU results (machines that recorded a GPU), or, until one
+    exists, a plain statement that none does and the command that makes them."""
+    gpus = sorted({g for s in sections for g in ((s.doc.get("machine") or {}).get("gpus") or [])})
+    lines = ["", "## GPU", ""]
+    if gpus:
+        lines.append(f"Sections above measured on {', '.join(gpus)} name it in their machine line.")
+    else:
+        lines += ["No GPU figure exists yet: every section above ran on a CPU-only machine, and nothing on this page",
+                  "was measured through GPUDirect Storage. On a GPU machine, `scripts/gpu_check.sh OUTDIR` runs the",
+                  "GPU tests (exactness first), a plan-and-run of a small model, one activation benchmark, one",
+                  "streamed-weights benchmark and `gds-check --json`, and writes their results and the hardware to",
+                  "`OUTDIR/gpu_check.json`."]
+    return lines
