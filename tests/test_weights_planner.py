@@ -59,7 +59,7 @@ def test_the_choice_is_the_fastest_that_fits_and_says_why_the_others_lost() -> N
     assert plan.predicted.fits and plan.predicted.peak_nbytes <= 0.9 * 2 * GiB
     everything = [estimate(p, W, Choice(b, n, r, s, kv, chunk), 2 * GiB)
                   for b in (1, 8, 64, 128, 256, 512) for n in (1, 2, 4, 8) for r in (0, 2, 4) for s in (1, 2)
-                  for kv in KVPlacement for chunk in (None, 8) if b * n <= 512]  # fmt: skip
+                  for kv in (KVPlacement.DEVICE, KVPlacement.DRIVE) for chunk in (None, 8) if b * n <= 512]  # fmt: skip
     best_fitting = max(e.tokens_per_s for e in everything if e.fits)
     assert plan.predicted.tokens_per_s >= (1 - TIE) * best_fitting, "the simplest of the plans within 1% of the fastest"
     assert plan.alternatives and all(why for _, why in plan.alternatives)
@@ -101,6 +101,8 @@ def test_bad_workloads_are_refused() -> None:
             Generate(**(dict(prompts=4, prompt_len=4, new_tokens=4) | kw))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv=host: the planner models the cache on the device or the drive"):
         choose(_profile(), Generate(4, 4, 4), 4 * GiB, kv=(KVPlacement.HOST,))
+    with pytest.raises(ConfigError, match="kv=host: the cost model prices the cache on the device or the drive only"):
+        estimate(_profile(), Generate(4, 4, 4), Choice(4, 1, 0, 2, KVPlacement.HOST), 4 * GiB)
 
 
 def test_scaling_compute_scales_the_prediction() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from gds_offload.errors import ConfigError
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.workload import HEADROOM, Bound, Choice, Estimate, Finetune, Generate, Profile
 
@@ -12,8 +13,14 @@ __all__ = ["estimate", "estimate_finetune", "peak_finetune", "peak_nbytes"]
 
 
 def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes: int) -> Estimate:
-    """``choice``'s predicted time, peak memory and bound for ``workload`` (see the module doc)."""
+    """``choice``'s predicted time, peak memory and bound for ``workload`` (see the module doc).
+
+    Raises :class:`ConfigError` for ``kv=host``: the model has no host<->device copy term, so it
+    would price the host cache like the device's at the drive's memory cost."""
     p, w, c = profile, workload, choice
+    if c.kv is KVPlacement.HOST:
+        raise ConfigError("kv=host: the cost model prices the cache on the device or the drive only; "
+                          "estimate kv='device' or kv='drive'")
     streamed = p.layers - c.resident_layers
     write_Bps = p.write_Bps or p.read_Bps
     drive_kv = c.kv is KVPlacement.DRIVE

@@ -11,9 +11,11 @@ with ``torch.equal``. Results: ``OUT_DIR/rank{rank}.json``, rewritten after each
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
@@ -24,6 +26,8 @@ from dist_worker import BATCH, WIDTH, Net
 import gds_offload
 
 STEPS = 3
+HANG_S = 200  # under test_deepspeed.py's 240 s
+COLLECTIVE_TIMEOUT_S = 90
 
 
 def train(stage: int, spill: Path | None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
@@ -68,7 +72,10 @@ def train(stage: int, spill: Path | None) -> tuple[list[torch.Tensor], list[torc
 def main() -> None:
     out, spill_base, stages = Path(sys.argv[1]), Path(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    # A rank that fails in a stage leaves its peer in a collective: a short gloo timeout and a
+    # stack dump before the test's own timeout turn a hang into a failure that says where.
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     rank = dist.get_rank()
     results = []
     for stage in stages:
@@ -88,6 +95,7 @@ def main() -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
         dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

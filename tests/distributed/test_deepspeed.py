@@ -40,7 +40,11 @@ def results() -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(WORKER), str(base / "out"), str(base / "spill"), ",".join(map(str, STAGES))]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        _build_shm_op(env)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"torchrun ran past 240 s; its output:\n{_tail(e.stdout)}{_tail(e.stderr)}")
         ranks = [json.loads(p.read_text()) if p.exists() else [] for p in (base / "out/rank0.json", base / "out/rank1.json")]
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -49,6 +53,20 @@ def results() -> dict:
         for r in recs:
             found.setdefault(r["stage"], []).append(r)
     return found
+
+
+def _build_shm_op(env: dict) -> None:
+    """Build DeepSpeed's shared-memory comm op once, here, not by both ranks at once inside
+    ``deepspeed.init_distributed`` (a cold build takes about a minute on two cores)."""
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "b is None or b.load()")
+    subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600, check=True)
+
+
+def _tail(out: str | bytes | None) -> str:
+    text = out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+    return text[-3000:]
 
 
 def test_torchrun_exit(results):
