@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'gds_offload[hf]')")
 
 from helpers.disks import real_disk_base  # noqa: E402
+from helpers.gates import cuda_test  # noqa: E402
 
 from gds_offload.bench.cgroup import MemoryCap, cap_available  # noqa: E402
 from gds_offload.cli import main as cli_main  # noqa: E402
@@ -224,3 +225,33 @@ def test_bench_finetune_with_gradient_checkpointing(tmp_path: Path) -> None:
     # A forward and a recompute per step, each starting from the `slots` layers the pass before left in the ring.
     slots = doc["spec"]["slots"]
     assert rows["drive"]["store_bytes_per_step"] == sum(sizes[slots:]) + sum(sizes[: len(sizes) - slots])
+
+
+def test_an_engine_says_how_deep_it_reads() -> None:
+    """The raw reference read beside a mode uses the engine's own depth (``Engine.depth``)."""
+    from gds_offload.io.factory import make_engine
+    from gds_offload.io.faults import FaultyEngine
+
+    faulty = FaultyEngine(make_engine("posix", num_threads=3))  # owns, and closes, the posix engine
+    try:
+        assert faulty.inner.depth == 3 and faulty.depth == 3
+    finally:
+        faulty.close()
+
+
+@cuda_test
+def test_bench_weights_on_cuda_reads_as_deep_as_the_engine_and_skips_the_cpu_probe(tmp_path: Path) -> None:
+    from gds_offload.io.kvikio_engine import DEFAULT_THREADS
+
+    work = real_disk_base() / f"gds_offload-bench-weights-cuda-{os.getpid()}"
+    out = tmp_path / "report.json"
+    try:
+        rc = cli_main(["bench-weights", "--tiny", "--device", "cuda", "--modes", "resident,drive", "--batch-sizes", "2",
+                       "--raw-depths", "2", "--workdir", str(work), "--out", str(out)])  # fmt: skip
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    doc = json.loads(out.read_text())
+    assert rc == 0 and {p["depth"] for p in doc["raw_read"] if p["when"] == "before"} == {2, DEFAULT_THREADS}
+    assert "skipped" in doc["interference"] and "into host memory" in doc["about"]

@@ -150,6 +150,9 @@ class Engine(ABC):
         self.uses_gds = False
         #: One line saying how this engine moves bytes (shown in stats and ``gds-offload info``).
         self.description = self.name
+        #: Transfers this engine keeps in flight at most (its threads): the depth a raw reference
+        #: read of the drive should use to compare with it.
+        self.depth = 1
 
     # -- public API ---------------------------------------------------------------------
     def write(self, src: torch.Tensor, slot: Slot, *, ready: Any = None) -> IOFuture:

@@ -137,6 +137,7 @@ class FaultyEngine(Engine):
         self.inner = inner
         self.needs_files = inner.needs_files  # type: ignore[misc]
         self.uses_gds = inner.uses_gds
+        self.depth = inner.depth
         self.description = f"{inner.description} (fault injection)"
         self.faults: list[Fault] = list(faults)
         self.injected: list[_Injected] = []

@@ -219,6 +219,7 @@ class KvikIOEngine(PageSpanEngine):
         # One issue thread per KvikIO thread: tensors smaller than a task are one KvikIO call
         # each, so fewer issue threads would cap the requests in flight.
         self.issue_threads = issue_threads or num_threads
+        self.depth = self.issue_threads
         self._pool = ThreadPoolExecutor(self.issue_threads, thread_name_prefix=f"gds_offload-{mode}")
         # Device memory: staging buffers (compat) and side streams (gds), per issue thread.
         self._staging = StagingPool(align_up(task_bytes, ALIGN), cuda)

@@ -71,7 +71,7 @@ class PosixEngine(PageSpanEngine):
         if num_threads < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"need num_threads >= 1 and chunk_bytes a multiple of {ALIGN}, got {num_threads}, {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.num_threads = num_threads
+        self.num_threads = self.depth = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gds_offload-posix")
         self._local = threading.local()
         # Device memory: one pinned staging buffer of one chunk per pool thread and device (a

@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
 from gds_offload.bench.weights.drive import cached_bytes, evict, raw_read_bandwidth, read_interference
+from gds_offload.io.kvikio_engine import DEFAULT_THREADS as KVIKIO_THREADS
 from gds_offload.weights import convert
 from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.manifest import config_fingerprint, read_manifest
@@ -319,16 +320,23 @@ def run_bench(
     m = read_manifest(store)
     data = weight_files(ckpt, store)[-1]
     say(f"raw O_DIRECT reads of {data}")
+    if base.device.startswith("cuda"):  # the GPU engine reads as deep as its threads: compare at that depth too
+        raw_depths = tuple(sorted({*raw_depths, base.num_threads or KVIKIO_THREADS}))
     raw = [dict(r.as_dict(), when="before") for r in raw_read_bandwidth(data, depths=raw_depths)]
     rows = run_rounds(modes, rounds, memory_limit=memory_limit, workdir=Path(base.workdir), say=say,
                       run=lambda mode, limit: run_inference_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
     best = max(raw, key=lambda r: r["bytes_per_s"])["depth"]
     say("raw O_DIRECT reads again")
     raw += [dict(r.as_dict(), when="after") for r in raw_read_bandwidth(data, depths=(best,))]
-    say("compute alone and beside O_DIRECT reads")
-    # Shaped like the model's MLP at the largest batch: what the streamed modes compute while reading.
-    interference = read_interference(data, rows=max(base.batch_sizes), hidden=model.hidden, intermediate=model.intermediate, depth=best,
-                                     seconds=interference_s)
+    interference: dict[str, Any]
+    if base.device.startswith("cuda"):
+        # The probe times CPU matmuls: on a GPU it would not say what reading costs the model's compute.
+        interference = {"skipped": f"the model computes on {base.device}; the probe times matmuls on the CPU"}
+    else:
+        say("compute alone and beside O_DIRECT reads")
+        # Shaped like the model's MLP at the largest batch: what the streamed modes compute while reading.
+        interference = read_interference(data, rows=max(base.batch_sizes), hidden=model.hidden, intermediate=model.intermediate, depth=best,
+                                         seconds=interference_s).as_dict()
     ref = {(r.round, r.batch): r for r in rows if r.mode == "resident" and r.status == "ok"}
     for r in rows:
         want = ref.get((r.round, r.batch)) or next((x for x in ref.values() if x.batch == r.batch), None)
@@ -341,7 +349,7 @@ def run_bench(
         "spec": {k: v for k, v in asdict(base).items() if k not in ("mode", "checkpoint", "store")}
         | {"memory_limit_bytes": memory_limit, "memory_limit_applies_to": [x for x in modes if x in CAPPED] if memory_limit else [], "rounds": rounds},
         "raw_read": raw,
-        "interference": interference.as_dict(),
+        "interference": interference,
         "summary": summarize(rows),
         "results": [asdict(r) for r in rows],
     }

@@ -178,7 +178,8 @@ def _pair_with_raw(r: ModeResult, model: Any, handle: Any, spec: BenchSpec, ids:
         nbytes = sum(g.nbytes for g in handle.manifest.layers if g.name in streamed)
     else:  # Accelerate reads every layer from the checkpoint (its first shard stands for the drive)
         data, nbytes = files[0], sum(g.nbytes for g in read_manifest(Path(spec.store)).layers)
-    depth = spec.num_threads or DEFAULT_THREADS
+    # As deep as the engine reads (KvikIO on a GPU: 16 threads; posix: its threads).
+    depth = handle.engine.depth if handle is not None and handle.engine is not None else spec.num_threads or DEFAULT_THREADS
 
     def raw() -> float:
         if handle is not None:

@@ -203,7 +203,7 @@ def bench_document(report: dict[str, Any], *, started: float, workdir: Path, com
              f"prompt {spec['prompt_len']} tokens, {spec['new_tokens'] - 1} decode steps; streamed-drive and accelerate-disk under {cap}, "
              f"resident and streamed-host uncapped (they hold every weight in memory); every child with MALLOC_MMAP_THRESHOLD_=1048576; "
              f"{spec['rounds']} round(s) interleaved, medians. "
-             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{load}; the decodes of streamed-drive and "
+             f"The drive's fastest raw O_DIRECT read pass in the same run: {raw:.2f} GB/s{_raw_where(spec)}{load}; the decodes of streamed-drive and "
              f"accelerate-disk at each batch size are also run {spec.get('paired_raw', 0)} more times after the measured runs, each "
              f"between raw passes of as many bytes of the file the mode reads, in its own process (x raw around it: the median; the "
              f"two modes' use of the drive compares free of its drift). On the resident and streamed-host rows, "
@@ -222,9 +222,14 @@ def bench_document(report: dict[str, Any], *, started: float, workdir: Path, com
                     machine=describe_machine(workdir).as_dict(), started=started_s, wall_s=time.time() - started, plot_path=plot_path)  # fmt: skip
 
 
+def _raw_where(spec: dict[str, Any]) -> str:
+    # On a GPU the raw passes land in host memory while the streamer's reads land in device memory.
+    return " (into host memory)" if str(spec.get("device", "cpu")).startswith("cuda") else ""
+
+
 def _interference_line(report: dict[str, Any]) -> str:
     probe = report.get("interference")
-    if not probe:
+    if not probe or "skipped" in probe:
         return ""
     return (f". Compute shaped like the model's MLP ran {probe['slowdown']:.2f}x slower beside O_DIRECT reads at "
             f"{probe['read_bytes_per_s'] / 1e9:.2f} GB/s than alone (same run): what reading costs the compute on this machine")
