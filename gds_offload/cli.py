@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench": "gds_offload.commands.bench",
     "rok": "gds_offload.commands.rok",
     "convert": "gds_offload.commands.convert",
+    "export": "gds_offload.commands.export",
     "bench-weights": "gds_offload.commands.bench_weights",
     "bench-finetune": "gds_offload.commands.bench_finetune",
     "plan": "gds_offload.commands.plan",

@@ -162,7 +162,7 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(command: str, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(module, "run", interrupted)
-    argv = [command] + {"convert": ["in", "out"], "plan": ["store", "--memory", "1GiB"]}.get(command, [])  # their positional arguments
+    argv = [command] + {"convert": ["in", "out"], "export": ["store", "out"], "plan": ["store", "--memory", "1GiB"]}.get(command, [])  # their positional arguments
     assert main(argv) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "interrupted" in err and command in err, err

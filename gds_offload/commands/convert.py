@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-class _Bar:
+class ByteBar:
     """A rich bar on stderr, in bytes, for ``convert``'s and ``verify_store``'s ``progress``; drawn only on a terminal."""
 
     def __init__(self, label: str, *, quiet: bool) -> None:
@@ -47,7 +47,7 @@ class _Bar:
                              TextColumn("{task.description}"), console=console, transient=True, disable=quiet or not console.is_terminal)  # fmt: skip
         self._task = self._bar.add_task("", total=None)
 
-    def __enter__(self) -> _Bar:
+    def __enter__(self) -> ByteBar:
         self._bar.__enter__()
         return self
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             outs = args.paths
         else:
             ckpt, outs = args.paths[0], args.paths[1:]
-            with _Bar("converting", quiet=args.json) as bar:
+            with ByteBar("converting", quiet=args.json) as bar:
                 m = convert(ckpt, [str(o) for o in outs] if len(outs) > 1 else outs[0], layer_prefix=args.layer_prefix,
                             tensor_align=args.tensor_align, overwrite=args.force, progress=bar)  # fmt: skip
             result["converted"] = {"store": [str(o) for o in outs], "layers": len(m.layers), "layer_prefix": m.layer_prefix,
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"converted {ckpt} -> {', '.join(map(str, outs))}: {len(m.tensors)} tensors, {len(m.layers)} layers "
                       f"({m.layer_prefix}.*), {format_bytes(m.total_nbytes())}")  # fmt: skip
         if args.check:
-            with _Bar("checking", quiet=args.json) as bar:
+            with ByteBar("checking", quiet=args.json) as bar:
                 c = verify_store([str(o) for o in outs] if len(outs) > 1 else outs[0], progress=bar)
             result["check"] = {"ok": True, "groups": c.groups, "nbytes": c.nbytes, "seconds": round(c.seconds, 3)}
             if not args.json:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else f"check FAILED: {exc}", file=sys.stdout if args.json else sys.stderr)
         return 1
     except (ConfigError, StoreSpaceError, OffloadError) as exc:
-        print(f"gds-offload convert: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"gds-offload convert: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # an I/O error outside what the library names: the file and the OS's words
         where = f"{exc.filename}: " if exc.filename else ""
@@ -100,6 +100,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_line(msg: str) -> str:
+def one_line(msg: str) -> str:
     """``msg`` on one line (a mismatch listing spans several)."""
     return " ".join(part.strip() for part in msg.splitlines() if part.strip())

@@ -2,7 +2,8 @@
 streamed layer by layer into a ring of preallocated buffers (host memory, or GPU memory through
 KvikIO/GPUDirect Storage) while the previous layer computes.
 
-* :func:`convert` / :func:`verify_store`: a safetensors checkpoint -> a store (``gds-offload convert``).
+* :func:`convert` / :func:`verify_store`: a safetensors checkpoint -> a store (``gds-offload convert``);
+  :func:`export`: a store -> a sharded safetensors checkpoint ``transformers`` loads (``gds-offload export``).
 * :func:`load_streamed` -> :class:`StreamedModel`: a meta-device skeleton whose layers stream from a store.
 * :func:`read_manifest`, :class:`Manifest`: where every tensor lies, and its checksums.
 * :func:`as_reference`: the resident model a streamed one is bit-identical to.
@@ -22,6 +23,7 @@ from gds_offload.weights.errors import (
     StoreTrustError,
     WeightsMismatchError,
 )
+from gds_offload.weights.export import Exported, export
 from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
 from gds_offload.weights.measure import plan
 from gds_offload.weights.planner import Generate, Plan
@@ -32,6 +34,8 @@ from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
 __all__ = [
     "convert",
     "verify_store",
+    "export",
+    "Exported",
     "load_streamed",
     "StreamedModel",
     "StreamStats",
