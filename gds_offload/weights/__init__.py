@@ -11,6 +11,8 @@ KvikIO/GPUDirect Storage) while the previous layer computes.
   (:class:`Generate`) under a memory limit: a :class:`Plan`; ``load_streamed(..., plan=)``,
   :meth:`StreamedModel.generate_many` (layer-major: several micro-batches per weight load).
 * :func:`from_pretrained`: convert if needed, plan, and stream, in one call.
+* :class:`StreamedTrainer`: full fine-tuning, the streamed layers' weights and optimizer state
+  on the drive, a step written whole or not at all (:mod:`~gds_offload.weights.generations`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from gds_offload.weights.planner import Generate, Plan
 from gds_offload.weights.pretrained import from_pretrained
 from gds_offload.weights.reference import as_reference
 from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
+from gds_offload.weights.trainer import StreamedTrainer
 
 __all__ = [
     "convert",
@@ -44,6 +47,7 @@ __all__ = [
     "Plan",
     "Generate",
     "from_pretrained",
+    "StreamedTrainer",
     "read_manifest",
     "config_fingerprint",
     "Manifest",

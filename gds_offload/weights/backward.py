@@ -25,9 +25,10 @@ the bytes are the store's, which the forward used (with ``verify``, checked agai
 layer's were checked when its slot was filled). Two fetched layers at most are held, the one backward is in and the next, until their views
 are freed by autograd and the next forward (or :meth:`SavedWeights.clear`) drops them.
 
-.. warning:: The streamed layers' own parameters stay frozen (``requires_grad=False``):
-   gradients flow through them to the inputs and to trainable tensors elsewhere (resident
-   parameters, adapters outside the streamed layers), never into them.
+.. note:: Gradients of the streamed layers' own parameters exist only under
+   :class:`~gds_offload.weights.trainer.StreamedTrainer` (:meth:`StreamedModel.train_layers
+   <gds_offload.weights.stream.StreamedModel.train_layers>`); otherwise those parameters are
+   frozen and gradients flow through them to the inputs and to trainable tensors elsewhere.
 """
 from __future__ import annotations
 

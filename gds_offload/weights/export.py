@@ -29,11 +29,13 @@ import torch
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.factory import make_engine
+from gds_offload.io.integrity import checksum
 from gds_offload.units import parse_bytes
 from gds_offload.weights.bind import view_of
+from gds_offload.weights.generations import STEP_NAME, Generations, Step
 from gds_offload.weights.manifest import GroupEntry, Manifest, read_manifest
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
-from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, corrupt_error, read_group, resolve_dirs
 from gds_offload.weights.trust import open_dir, read_file
 
 __all__ = ["export", "Exported", "INDEX_NAME", "DEFAULT_SHARD_BYTES"]
@@ -57,6 +59,8 @@ class Exported:
     tensors: int
     nbytes: int
     seconds: float
+    #: The training step exported (0: the converted store's weights).
+    step: int = 0
 
 
 def export(
@@ -64,6 +68,8 @@ def export(
     out: str | os.PathLike[str],
     *,
     shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    train_dir: str | os.PathLike[str] | None = None,
+    converted: bool = False,
     progress: Progress | None = None,
 ) -> Exported:
     """Write the store's tensors as a safetensors checkpoint in ``out`` (see the module doc).
@@ -72,9 +78,13 @@ def export(
         store: the store's directory (a list, in conversion order, if it was striped).
         out: a new or empty directory.
         shard_bytes: largest shard (bytes or ``"2GiB"``); a layer larger than it gets a shard of its own.
+        train_dir: a :class:`~gds_offload.weights.trainer.StreamedTrainer`'s directory (default
+            ``STORE/train``): its last complete step is exported, when it has one.
+        converted: export the converted store's own weights, not a training step's.
 
     Raises:
-        ConfigError: ``out`` holds files, is a file, or is the store's directory; a bad ``shard_bytes``.
+        ConfigError: ``out`` holds files, is a file, or is the store's directory; a bad ``shard_bytes``;
+            a ``train_dir`` given that holds no step.
         StoreCorruptError: a group's bytes differ from the manifest's checksum (named by layer).
         StoreFormatError: no store there, or a damaged one.
     """
@@ -88,11 +98,16 @@ def export(
     dirs = resolve_dirs(store, manifest)
     target = Path(out)
     _check_out(target, dirs)
+    gens = Generations(Path(train_dir) if train_dir is not None else first / "train", manifest, dirs)
+    if converted:
+        gens.current = Step()
+    elif train_dir is not None and gens.current.generation is None:
+        raise ConfigError(f"{train_dir} holds no training step (no {STEP_NAME}); pass the directory StreamedTrainer(state_dir=...) wrote")
     shards = _plan_shards(manifest, limit)
     names = [_shard_name(i, len(shards)) for i in range(len(shards))]
     start = time.perf_counter()
     written: list[Path] = []
-    files = StoreFiles(dirs, manifest)
+    files = gens.files()
     engine = make_engine("posix", read_only=True, num_threads=4, read_pool_bytes=0)
     try:
         target.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -100,7 +115,7 @@ def export(
         total, done = manifest.total_nbytes(), 0
         for groups, name in zip(shards, names):
             tensors: dict[str, torch.Tensor] = {}
-            for g, buf in _read_checked(engine, files, groups):
+            for g, buf in _read_checked(engine, files, groups, gens.group_xxh3):
                 for t in manifest.tensors_of(g.name):
                     tensors[t.name] = view_of(buf, t, g.offset).clone()  # safetensors refuses tensors sharing a buffer
                     weight_map[t.name] = name
@@ -124,7 +139,8 @@ def export(
     finally:
         engine.close()
         files.close()
-    return Exported(target, tuple(names), len(manifest.tensors), sum(t.nbytes for t in manifest.tensors), time.perf_counter() - start)
+    return Exported(target, tuple(names), len(manifest.tensors), sum(t.nbytes for t in manifest.tensors), time.perf_counter() - start,
+                    gens.current.step)  # fmt: skip
 
 
 def _check_out(target: Path, dirs: list[Path]) -> None:
@@ -157,21 +173,26 @@ def _shard_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _read_checked(engine: Engine, files: StoreFiles, groups: list[GroupEntry]) -> Iterator[tuple[GroupEntry, torch.Tensor]]:
+def _read_checked(engine: Engine, files: StoreFiles, groups: list[GroupEntry], expected: Callable[[GroupEntry], int]) -> Iterator[tuple[GroupEntry, torch.Tensor]]:
     """Yield ``(group, buffer)`` in order, each checked against its xxh3-64, the next read in flight
     meanwhile (into the other buffer: a buffer is read into again only after its group was consumed)."""
     largest = max((g.padded_nbytes for g in groups), default=0)
     buffers = [aligned_host_buffer(largest), aligned_host_buffer(largest)]
     pending: list[tuple[GroupEntry, torch.Tensor, IOFuture]] = []
     for i, g in enumerate(groups):
-        pending.append((g, buffers[i % 2], read_group(engine, files, g, buffers[i % 2], verify=True)))
+        pending.append((g, buffers[i % 2], read_group(engine, files, g, buffers[i % 2])))
         if len(pending) == 2:
-            g0, b0, f0 = pending.pop(0)
-            f0.wait()
-            yield g0, b0
-    for g0, b0, f0 in pending:
-        f0.wait()
-        yield g0, b0
+            yield _checked(*pending.pop(0), files, expected)
+    for item in pending:
+        yield _checked(*item, files, expected)
+
+
+def _checked(g: GroupEntry, buf: torch.Tensor, future: IOFuture, files: StoreFiles, expected: Callable[[GroupEntry], int]) -> tuple[GroupEntry, torch.Tensor]:
+    future.wait()
+    got, want = checksum(buf[: g.nbytes]), expected(g)
+    if got != want:
+        raise corrupt_error(g, files, f"xxh3-64 {got:016x}, expected {want:016x}")
+    return g, buf
 
 
 def _store_file(store: Path, name: str) -> bytes | None:

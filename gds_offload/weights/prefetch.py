@@ -144,6 +144,13 @@ class Prefetch:
                 self._holds[f.slot] = None  # the read may have failed
             self._free.append(f.slot)
 
+    def forget(self) -> None:
+        """The store's bytes changed (a training step wrote new weights): wait for the fills in
+        flight, forget what every slot holds, and fill the slots again from the first layer."""
+        self.drain()
+        self._holds = [None] * len(self._holds)
+        self.restart()
+
     def restart(self) -> None:
         """Drop the prediction: wait for the fills in flight, then fill the slots with the first
         layers, for a forward (e.g. after the engine was replaced)."""

@@ -44,11 +44,13 @@ to trainable resident tensors equal the resident model's. The post-hook is regis
 Face gradient checkpointing recomputes a layer without its module hooks: the layer's
 checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.recompute`).
 
-.. warning:: One forward at a time; streamed parameters are frozen
+.. warning:: One forward at a time; streamed parameters are frozen unless a trainer trains them
    The hooks keep one prediction of the next layer, so one forward runs at a time: a second
    thread calling the model meanwhile gets :class:`OffloadError` at once
    (:mod:`gds_offload.weights.turn`). A streamed layer's parameters are meta tensors outside
-   its forward, and ``requires_grad=False`` during it: they are never trained.
+   its forward, and ``requires_grad=False`` during it, unless :meth:`StreamedModel.train_layers`
+   (:class:`~gds_offload.weights.trainer.StreamedTrainer`) made them trainable: then each
+   gradient is handed over as autograd accumulates it, and the trainer updates the store.
 
 Layer-major teams (:meth:`StreamedModel.run_team`, under :meth:`StreamedModel.generate_many`
 and :meth:`StreamedModel.accumulate`): several micro-batches, one thread each, run one at a
@@ -68,6 +70,7 @@ import functools
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -326,6 +329,39 @@ class StreamedModel(LayerHooks):
                 wait_read(g, read_group(ring.engine, self._files, g, buf, verify=False))
             return sum(g.padded_nbytes for g in groups), time.perf_counter() - start
 
+    def train_layers(self, on_grad: Callable[[int, str, torch.Tensor], None]) -> None:
+        """Make the streamed layers' parameters trainable (for
+        :class:`~gds_offload.weights.trainer.StreamedTrainer`): from now on each forward binds them as
+        ``nn.Parameter(requires_grad=True)`` views of their slot, and after autograd accumulates a
+        gradient into one, ``on_grad(pos, store_name, grad)`` takes it (the parameter's ``.grad``
+        is then reset): gradients leave the slot's parameters as soon as they exist.
+
+        Raises:
+            ConfigError: nothing is read per forward (``tier="host"`` on the CPU, every layer resident).
+        """
+        if not isinstance(self._ring, HostRing) or self._prefetch is None:
+            raise ConfigError("training streamed layers needs tier='drive' (tier='host' on the CPU holds every layer in one arena) "
+                              "and at least one streamed layer")  # fmt: skip
+        with held(), self._turn.holding(wait=True):
+            self._prefetch.drain()
+            self._views = [[self._slot_views(g, buf, functools.partial(on_grad, pos)) for buf in self._ring.buffers]
+                           for pos, g in enumerate(self._streamed)]  # fmt: skip
+            self._prefetch.restart()
+
+    def use_files(self, files: StoreFiles) -> StoreFiles:
+        """Read the streamed layers from ``files`` (same layout, new bytes: a training step's) from
+        now on; returns the files read until now (the caller closes them). Waits for the fills in
+        flight and forgets what every slot holds."""
+        ring = self._ring
+        if not isinstance(ring, HostRing) or self._prefetch is None:
+            raise ConfigError("this StreamedModel reads nothing from the drive per forward: no files to replace")
+        with held(), self._turn.holding(wait=True):
+            self._prefetch.drain()
+            old, ring.files, self._files = self._files, files, files
+            self._res[self._res.index(old)] = files
+            self._prefetch.forget()
+        return old
+
     def note_replan(self, why: str) -> None:
         """Record that ``generate_many`` planned again, and why (``stats().replans``)."""
         self._stats.replans.append(why)
@@ -342,6 +378,11 @@ class StreamedModel(LayerHooks):
         copied = list(self._saved.copies) if self._saved else []
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "compute_s": list(s.compute_s),
                                            "replans": list(s.replans), "backward_reads": again, "backward_copies": copied}))  # fmt: skip
+
+    @property
+    def store_dirs(self) -> list[Path]:
+        """The store's directories (one, or the striped ones in conversion order)."""
+        return list(self._dirs)
 
     @property
     def closed(self) -> bool:
@@ -416,9 +457,22 @@ class StreamedModel(LayerHooks):
     def _read_arena(self, groups: list[GroupEntry]) -> tuple[torch.Tensor, dict[str, int]]:
         return read_arena(self._loader, self._files, groups, verify=self.verify)
 
-    def _slot_views(self, g: GroupEntry, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _slot_views(self, g: GroupEntry, buf: torch.Tensor, on_grad: Callable[[str, torch.Tensor], None] | None = None) -> list[tuple[str, torch.Tensor]]:
         # Made once, at load (outside any inference_mode), and reused every forward.
-        return [(n, self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))) for n in self.binding.by_group.get(g.name, [])]
+        views = []
+        for n in self.binding.by_group.get(g.name, []):
+            t = self.binding.as_parameter(n, view_of(buf, self.binding.entries[n], g.offset))
+            if on_grad is not None and isinstance(t, nn.Parameter):
+                t.requires_grad_(True)
+                t.register_post_accumulate_grad_hook(functools.partial(_hand_over, on_grad, n))
+            views.append((n, t))
+        return views
+
+
+def _hand_over(on_grad: Callable[[str, torch.Tensor], None], name: str, param: torch.Tensor) -> None:
+    grad, param.grad = param.grad, None
+    assert grad is not None
+    on_grad(name, grad)
 
 
 def _shutdown(resources: list[Any]) -> None:

@@ -1,0 +1,306 @@
+"""Full fine-tuning of a streamed model: every weight trains, the streamed layers' weights and
+optimizer state live on the drive (:class:`StreamedTrainer`).
+
+``trainer.step(batches)`` does what resident training does with one optimizer over every parameter::
+
+    for batch in batches:
+        loss(model(**batch), batch).backward()
+    clip_grad_norm_(model.parameters(), max_norm)        # when max_norm is given
+    optimizer.step(); optimizer.zero_grad()
+
+* Forward and backward are :meth:`StreamedModel.accumulate
+  <gds_offload.weights.stream.StreamedModel.accumulate>` (``per_load`` micro-batches per weight
+  load), with the streamed layers' parameters trainable (:meth:`StreamedModel.train_layers
+  <gds_offload.weights.stream.StreamedModel.train_layers>`): each gradient is taken off the
+  slot's parameter as autograd accumulates it and summed per parameter in the order autograd
+  would sum it into ``.grad``.
+* Clipping by global norm: the norm of each gradient, then of those norms in the model's
+  parameter order, then each gradient scaled, as ``torch.nn.utils.clip_grad_norm_`` does.
+* The update, layer by layer: the layer's weights of the current step read from the drive (and
+  checked), its optimizer state read, the user's optimizer class built over that layer alone
+  (``optimizer(params)``, with the hyperparameters of :attr:`StreamedTrainer.optimizer`'s first
+  group, so a scheduler stepping that one steers every layer), stepped, and the new weights and
+  state written to the next generation (:mod:`gds_offload.weights.generations`). The resident
+  parameters (embeddings, head, norms, resident layers) are updated by :attr:`optimizer`, and
+  written to the same generation with its state, so a step is on the drive whole or not at all.
+
+Exact: the per-parameter update of ``torch.optim``'s single-tensor and foreach paths does not
+depend on which other parameters share the optimizer, so weights, optimizer state and losses
+are ``torch.equal`` to resident training with the same optimizer on the same micro-batches.
+
+.. warning:: Costs of this version
+   Every streamed layer's gradient is held in host memory from its backward until the update
+   after the last micro-batch (the streamed weights' size); the update runs after backward,
+   not overlapped with it; each layer is read once more for its update. A gradient checkpointed
+   model, LoRA adapters (use :meth:`StreamedModel.accumulate` for those), ``verify=True`` and
+   ``tier="host"`` are refused.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gds_offload.errors import ConfigError
+from gds_offload.io.factory import make_engine
+from gds_offload.weights.accumulate import Loss
+from gds_offload.weights.adapters import unwrap
+from gds_offload.weights.bind import view_of
+from gds_offload.weights.generations import Generations, Step
+from gds_offload.weights.manifest import GroupEntry
+from gds_offload.weights.storefile import aligned_host_buffer
+from gds_offload.weights.stream import StreamedModel
+
+__all__ = ["StreamedTrainer"]
+
+#: ``optimizer(params) -> torch.optim.Optimizer``: e.g. ``functools.partial(torch.optim.AdamW, lr=1e-4)``.
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_RESIDENT = "resident"  # the state group of every parameter held in memory
+
+
+class StreamedTrainer:
+    """Train every parameter of ``lm`` (see the module doc).
+
+    Args:
+        lm: a :class:`StreamedModel` of a plain transformers model, ``tier="drive"``.
+        optimizer: builds the optimizer for a list of parameters (called once for the resident
+            parameters, kept as :attr:`optimizer`, and at every step for each streamed layer).
+        state_dir: where the steps go (default ``STORE/train``); an existing one is resumed at its last complete step.
+
+    Raises:
+        ConfigError: LoRA adapters, ``verify=True``, nothing streamed from the drive, an
+            ``optimizer`` that does not build a ``torch.optim.Optimizer``.
+        StoreFormatError, StoreCorruptError: a damaged training directory.
+    """
+
+    def __init__(self, lm: StreamedModel, optimizer: OptimizerFactory, *, state_dir: str | os.PathLike[str] | None = None) -> None:
+        base, _ = unwrap(lm.model)
+        if base is not lm.model:
+            raise ConfigError("StreamedTrainer trains every weight of a plain model; for LoRA adapters use lm.accumulate(batches) and your optimizer")
+        if lm.verify:
+            raise ConfigError("verify=True checks the converted store's checksums, which trained weights no longer match; "
+                              "load_streamed(..., verify=False) (the trainer checks every step's bytes itself)")  # fmt: skip
+        if lm.engine is None:
+            raise ConfigError("StreamedTrainer needs layers streamed from the drive (tier='drive', at least one layer not resident)")
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules()):
+            raise ConfigError("StreamedTrainer does not train a gradient-checkpointed model yet; call model.gradient_checkpointing_disable() "
+                              "(offload activations with gds_offload.attach(lm.model) instead)")  # fmt: skip
+        if not callable(optimizer):
+            raise ConfigError(f"optimizer={optimizer!r}: give a callable building a torch.optim.Optimizer from a list of parameters, "
+                              "e.g. functools.partial(torch.optim.AdamW, lr=1e-4)")  # fmt: skip
+        self._lm, self._base, self._factory = lm, base, optimizer
+        manifest = lm.manifest
+        stats = lm.stats()
+        self._streamed = [manifest.group(n) for n in stats.streamed_layers]
+        held_groups = ([manifest.resident] if manifest.resident else []) + [manifest.group(n) for n in stats.resident_layers]
+        self._in_memory: list[GroupEntry] = held_groups
+        self._resident = {n: self._model_tensor(n) for g in held_groups for n in lm.binding.by_group.get(g.name, [])}
+        params = [t for t in self._resident.values() if isinstance(t, nn.Parameter)]
+        for p in params:
+            p.requires_grad_(True)
+        #: The optimizer of the parameters held in memory; its first group's hyperparameters steer the streamed layers' too.
+        self.optimizer = self._build(list(dict.fromkeys(params)), what="the resident parameters")
+        self._engine = make_engine(lm.engine.name, num_threads=4)  # type: ignore[arg-type]  # the engine the layers stream through
+        self._gens = Generations(Path(state_dir) if state_dir is not None else lm.store_dirs[0] / "train", manifest, lm.store_dirs)
+        self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        try:
+            if self._gens.current.generation is not None:
+                self._resume()
+            lm.train_layers(self._on_grad)
+        except BaseException:
+            self._engine.close()
+            raise
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps on the drive (0: the converted store)."""
+        return self._gens.current.step
+
+    @property
+    def state_dir(self) -> Path:
+        return self._gens.root
+
+    def step(
+        self,
+        batches: Sequence[Mapping[str, Any]],
+        *,
+        per_load: int | None = None,
+        max_norm: float | None = None,
+        loss: Loss | None = None,
+        seed: int | None = None,
+    ) -> list[torch.Tensor]:
+        """One optimizer step over the micro-batches ``batches`` (see the module doc); their losses, in order.
+
+        Args:
+            per_load, loss, seed: as :meth:`StreamedModel.accumulate`.
+            max_norm: clip the gradients to this global 2-norm first.
+        """
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ConfigError(f"max_norm={max_norm!r}: give a positive number, or None for no clipping")
+        self._grads = {}
+        try:
+            losses = self._lm.accumulate(batches, per_load=per_load, loss=loss, seed=seed)
+            if max_norm is not None:
+                self._clip(float(max_norm))
+            self._update()
+        finally:
+            self._grads = {}
+        return losses
+
+    def close(self) -> None:
+        """Close the trainer's engine (the model stays open; close it yourself)."""
+        self._engine.close()
+
+    def __enter__(self) -> StreamedTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the step -----------------------------------------------------------------------------
+    def _on_grad(self, pos: int, name: str, grad: torch.Tensor) -> None:
+        if grad.device.type != "cpu":
+            grad = grad.cpu()  # held in host memory until the update (additions round alike on both)
+        acc = self._grads.setdefault(pos, {})
+        if name in acc:
+            acc[name].add_(grad)  # AccumulateGrad's in-place sum, in the same order
+        else:
+            acc[name] = grad
+
+    def _clip(self, max_norm: float) -> None:
+        streamed = {n: g for acc in self._grads.values() for n, g in acc.items()}
+        grads = []
+        for name, p in self._base.named_parameters():
+            g = p.grad if not p.is_meta else streamed.get(name)
+            if g is not None:
+                grads.append(g)
+        if not grads:
+            return
+        # As torch.nn.utils.get_total_norm: grouped by dtype (in order of appearance), each gradient's norm
+        # where the model computes (foreach kernels on a GPU), then the norm of those norms.
+        dev = self._lm.device
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        norms = [torch.linalg.vector_norm(g, 2.0) if dev.type == "cpu" else torch._foreach_norm([g.to(dev)], 2.0)[0]
+                 for group in by_dtype.values() for g in group]  # fmt: skip
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+
+    def _update(self) -> None:
+        writer = self._gens.begin(self._engine)
+        files = self._gens.files()
+        try:
+            for pos, g in enumerate(self._streamed):
+                self._update_layer(pos, g, files, writer)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for g in self._in_memory:
+                writer.write_group(g, self._pack(g))
+            writer.write_state(_RESIDENT, self._state_entries(self.optimizer, self._resident))
+            step = self._gens.commit(writer)
+        except BaseException:
+            writer.close()
+            raise
+        finally:
+            files.close()
+        self._lm.use_files(self._gens.files(step)).close()
+
+    def _update_layer(self, pos: int, g: GroupEntry, files: Any, writer: Any) -> None:
+        buf = self._gens.read_group(self._engine, files, g)
+        binding, dev = self._lm.binding, self._lm.device
+        views = {n: view_of(buf, binding.entries[n], g.offset) for n in binding.by_group.get(g.name, []) if binding.targets[n][0].is_param}
+        # The update runs where the model computes (the resident one's optimizer does too): on a GPU a copy of the layer there.
+        params = {n: nn.Parameter(v if dev.type == "cpu" else v.to(dev)) for n, v in views.items()}
+        grads = self._grads.get(pos, {})
+        for n, p in params.items():
+            grad = grads.get(n)
+            p.grad = None if grad is None else grad.to(dev)
+        opt = self._build(list(params.values()), what=f"layer {g.layer} ({g.name})")
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        opt.param_groups[0].update(hyper)
+        for n, state in self._gens.read_state(g.name).items():
+            if n in params:
+                opt.state[params[n]] = {k: v.to(dev) if dev.type != "cpu" and k != "step" else v for k, v in state.items()}
+        opt.step()
+        if dev.type != "cpu":
+            for n, v in views.items():
+                v.copy_(params[n].detach())
+        writer.write_state(g.name, [(n, k, t.cpu()) for n, k, t in self._state_entries(opt, params)])
+        writer.write_group(g, buf)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _build(self, params: list[nn.Parameter], *, what: str) -> torch.optim.Optimizer:
+        opt = self._factory(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer(params) for {what} returned a {type(opt).__name__}, not a torch.optim.Optimizer")
+        if len(opt.param_groups) != 1:
+            raise ConfigError(f"optimizer(params) for {what} made {len(opt.param_groups)} parameter groups; the trainer applies it "
+                              "per layer and needs exactly one")  # fmt: skip
+        return opt
+
+    @staticmethod
+    def _state_entries(opt: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
+        out = []
+        seen: set[int] = set()
+        for n, p in params.items():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                if value is None:
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise ConfigError(f"the optimizer's state {key!r} of {n} is a {type(value).__name__}; the trainer stores tensors only")
+                out.append((n, key, value))
+        return out
+
+    def _model_tensor(self, name: str) -> torch.Tensor:
+        t = self._lm.binding.targets[name][0]
+        return (t.module._parameters if t.is_param else t.module._buffers)[t.leaf]  # type: ignore[return-value]
+
+    def _pack(self, g: GroupEntry) -> torch.Tensor:
+        buf = aligned_host_buffer(g.padded_nbytes)
+        buf.zero_()
+        for n in self._lm.binding.by_group.get(g.name, []):
+            e = self._lm.binding.entries[n]
+            view_of(buf, e, g.offset).copy_(self._resident[n].detach())
+        return buf
+
+    def _resume(self) -> None:
+        """Put the current step's resident tensors and optimizer state in place."""
+        files = self._gens.files()
+        try:
+            with torch.no_grad():
+                for g in self._in_memory:
+                    buf = self._gens.read_group(self._engine, files, g)
+                    for n in self._lm.binding.by_group.get(g.name, []):
+                        self._resident[n].copy_(view_of(buf, self._lm.binding.entries[n], g.offset))
+        finally:
+            files.close()
+        for n, state in self._gens.read_state(_RESIDENT).items():
+            p = self._resident.get(n)
+            if p is not None:
+                self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
+        self._lm.use_files(self._gens.files()).close()
+
+    def current(self) -> Step:
+        """The last complete step on the drive."""
+        return self._gens.current
+
+    def state_of(self, name: str) -> dict[str, torch.Tensor]:
+        """The optimizer state of parameter ``name`` (the store's name) after the last step: the
+        resident optimizer's, or read from the drive for a streamed layer's (``{}`` before any step)."""
+        if name in self._resident:
+            return dict(self.optimizer.state.get(self._resident[name], {}))
+        entry = self._lm.binding.entries.get(name)
+        if entry is None:
+            raise ConfigError(f"{name!r} is not a tensor of this model's store")
+        return self._gens.read_state(entry.group).get(name, {})

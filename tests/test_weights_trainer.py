@@ -1,0 +1,189 @@
+"""Full fine-tuning of streamed layers (StreamedTrainer): losses, every weight and the optimizer
+state after 3 steps are torch.equal to resident training of the same transformers model with
+the same torch.optim class on the same micro-batches; resuming from the drive; every refusal,
+before anything is written."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install 'gds_offload[hf]')")
+
+from helpers.disks import real_disk_base  # noqa: E402
+from helpers.gates import ENGINES, cuda_test  # noqa: E402
+from helpers.llama import VOCAB, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
+
+from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.weights import StoreFormatError, convert, export, load_streamed  # noqa: E402
+from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
+
+STEPS = 3
+OPTIMIZERS = {
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw-foreach": functools.partial(torch.optim.AdamW, lr=1e-2, foreach=True),
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def base() -> Path:
+    d = real_disk_base() / f"gds_offload-trainer-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(base: Path) -> Path:
+    return save_checkpoint(llama_config(), base / "ckpt")
+
+
+@pytest.fixture()
+def store(base: Path, ckpt: Path, tmp_path: Path) -> Path:
+    out = real_disk_base() / f"gds_offload-trainer-store-{os.getpid()}-{tmp_path.name}"
+    convert(ckpt, out)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def _batches(micro: int) -> list[list[dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        step = []
+        for _ in range(micro):
+            ids = torch.randint(0, VOCAB, (2, 10), generator=g)
+            step.append({"input_ids": ids, "labels": ids})
+        out.append(step)
+    return out
+
+
+def _resident(ckpt: Path, optimizer, steps, max_norm, upto: int = STEPS, device: str = "cpu"):
+    """The reference: every parameter trained, one optimizer, ordinary accumulation."""
+    model = resident_model(ckpt).to(device)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    opt = optimizer(list(model.parameters()))
+    losses = []
+    for s in steps[:upto]:
+        for b in s:
+            loss = model(**{k: v.to(device) for k, v in b.items()}).loss
+            loss.backward()
+            losses.append(loss.detach())
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return model, opt, losses
+
+
+def _exported(store: Path, out: Path) -> dict[str, torch.Tensor]:
+    export(store, out)
+    return safetensors_torch.load_file(out / "model.safetensors")
+
+
+CASES = [
+    pytest.param(engine, "adamw", 2, per_load, clip, id=f"{engine}-adamw-accumulate2-per_load{per_load}-clip{clip}")
+    for engine in ENGINES for per_load, clip in ((1, None), (2, 0.5))
+] + [
+    pytest.param("posix", "adamw-foreach", 1, None, None, id="posix-adamw-foreach-no-accumulation"),
+    pytest.param("posix", "sgd-momentum", 2, 2, 0.5, id="posix-sgd-momentum-accumulate2-clip"),
+]
+
+
+@pytest.mark.parametrize(("engine", "opt", "micro", "per_load", "max_norm"), CASES)
+def test_full_finetuning_equals_resident_training(ckpt: Path, store: Path, tmp_path: Path, engine: str, opt: str, micro: int,
+                                                  per_load: int | None, max_norm: float | None) -> None:  # fmt: skip
+    steps = _batches(micro)
+    ref, ref_opt, ref_losses = _resident(ckpt, OPTIMIZERS[opt], steps, max_norm)
+    with load_streamed(meta_skeleton(store), store, engine=engine, resident_layers=1) as lm:
+        trainer = StreamedTrainer(lm, OPTIMIZERS[opt])
+        losses = [loss for s in steps for loss in trainer.step(s, per_load=per_load, max_norm=max_norm)]
+        assert trainer.step_count == STEPS
+        names = dict(ref.named_parameters())
+        for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.3.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+            want, got = ref_opt.state[names[name]], trainer.state_of(name)  # resident layer 0, streamed layer 3, the resident group
+            assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), name
+        trainer.close()
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert not torch.equal(losses[0], losses[-micro]), "the weights changed between steps"
+    weights = _exported(store, tmp_path / "out")
+    state = ref.state_dict()
+    assert sorted(weights) == sorted(state) and all(torch.equal(weights[k], state[k]) for k in state)
+
+
+def test_training_resumes_from_the_drive_where_it_stopped(ckpt: Path, store: Path, tmp_path: Path) -> None:
+    steps = _batches(2)
+    ref, _, ref_losses = _resident(ckpt, OPTIMIZERS["adamw"], steps, None)
+    losses = []
+    for first, last in ((0, 2), (2, 3)):  # two runs: the second finds step 2 on the drive
+        with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+            assert trainer.step_count == first
+            losses += [loss for s in steps[first:last] for loss in trainer.step(s)]
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    weights = _exported(store, tmp_path / "out")
+    assert all(torch.equal(weights[k], v) for k, v in ref.state_dict().items())
+    assert export(store, tmp_path / "converted", converted=True).step == 0  # the converted store is never written
+    original = safetensors_torch.load_file(ckpt / "model.safetensors")
+    back = safetensors_torch.load_file(tmp_path / "converted" / "model.safetensors")
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+
+def test_refusals_come_before_anything_is_written(ckpt: Path, store: Path) -> None:
+    adamw = OPTIMIZERS["adamw"]
+    with load_streamed(meta_skeleton(store), store, verify=True) as lm:
+        with pytest.raises(ConfigError, match="verify=True checks the converted store's checksums"):
+            StreamedTrainer(lm, adamw)
+    with load_streamed(meta_skeleton(store), store, tier="host") as lm:
+        with pytest.raises(ConfigError, match="needs layers streamed from the drive"):
+            StreamedTrainer(lm, adamw)
+    with load_streamed(meta_skeleton(store), store) as lm:
+        with pytest.raises(ConfigError, match="give a callable building a torch.optim.Optimizer"):
+            StreamedTrainer(lm, "adamw")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="returned a list, not a torch.optim.Optimizer"):
+            StreamedTrainer(lm, lambda params: list(params))  # type: ignore[arg-type,return-value]
+        with pytest.raises(ConfigError, match="made 2 parameter groups"):
+            StreamedTrainer(lm, lambda ps: torch.optim.SGD([{"params": ps[:1]}, {"params": ps[1:]}], lr=0.1))
+        with StreamedTrainer(lm, adamw) as trainer:
+            with pytest.raises(ConfigError, match="max_norm=-1: give a positive number"):
+                trainer.step(_batches(1)[0], max_norm=-1)
+    assert not (store / "train").exists()
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    lora = peft.get_peft_model(meta_skeleton(store), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with load_streamed(lora, store) as lm:
+        with pytest.raises(ConfigError, match="for LoRA adapters use lm.accumulate"):
+            StreamedTrainer(lm, adamw)
+
+
+def test_a_damaged_step_file_is_refused_with_the_fix(ckpt: Path, store: Path) -> None:
+    with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+        trainer.step(_batches(1)[0])
+    step = store / "train" / "step.json"
+    d = json.loads(step.read_text())
+    d["groups"].pop("model.layers.2")
+    step.write_text(json.dumps(d))
+    with load_streamed(meta_skeleton(store), store) as lm:
+        with pytest.raises(StoreFormatError, match=r"is not a training step of this store .* remove .*train to start again"):
+            StreamedTrainer(lm, OPTIMIZERS["adamw"])
+
+
+@cuda_test
+def test_full_finetuning_on_cuda_equals_resident_training_on_the_same_gpu(ckpt: Path, store: Path, tmp_path: Path) -> None:
+    steps = [[{k: v.cuda() for k, v in b.items()} for b in s] for s in _batches(2)]
+    ref, ref_opt, ref_losses = _resident(ckpt, OPTIMIZERS["adamw"], steps, 0.5, device="cuda")
+    with load_streamed(meta_skeleton(store), store, device="cuda") as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+        losses = [loss for s in steps for loss in trainer.step(s, max_norm=0.5)]
+        name = "model.layers.3.self_attn.q_proj.weight"
+        want, got = ref_opt.state[dict(ref.named_parameters())[name]], trainer.state_of(name)
+        assert all(torch.equal(want[k].cpu(), got[k].cpu()) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    weights = _exported(store, tmp_path / "out")
+    assert all(torch.equal(weights[k], v.cpu()) for k, v in ref.state_dict().items())
