@@ -236,6 +236,7 @@ class StepWriter:
         self._groups[group.name] = checksum(buf[: group.nbytes])
         slot = Slot(self._files[group.file], group.offset, group.padded_nbytes)
         self._pending.append((self._engine.write(buf[: group.padded_nbytes], slot), buf))
+        self._settle()
 
     def write_state(self, group: str, entries: list[tuple[str, str, torch.Tensor]]) -> None:
         """Write the optimizer state of ``group``'s parameters (``(param, key, tensor)``)."""
@@ -250,6 +251,12 @@ class StepWriter:
                  size=buf.numel(), unnamed=False, what="training state file")  # fmt: skip
         self._files.append(f)
         self._pending.append((self._engine.write(buf, Slot(f, 0, buf.numel())), buf))
+        self._settle()
+
+    def _settle(self) -> None:
+        # A few writes in flight at most: each holds its buffer (a layer's bytes) until it is done.
+        while len(self._pending) > _IN_FLIGHT:
+            self._pending.pop(0)[0].wait()
 
     def finish(self) -> Step:
         """Wait for every write, fsync every file; the step they make."""
@@ -276,6 +283,8 @@ class StepWriter:
                 os.close(f.fd)
                 f.fd = -1
 
+
+_IN_FLIGHT = 4
 
 _DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 

@@ -28,12 +28,16 @@ Exact: the per-parameter update of ``torch.optim``'s single-tensor and foreach p
 depend on which other parameters share the optimizer, so weights, optimizer state and losses
 are ``torch.equal`` to resident training with the same optimizer on the same micro-batches.
 
+Without clipping, a layer is updated in backward, as soon as the last micro-batch's gradient
+of its last parameter is in (on the thread running backward), so one layer's gradient is held
+at a time, plus the writes in flight (four buffers at most).
+
 .. warning:: Costs of this version
-   Every streamed layer's gradient is held in host memory from its backward until the update
-   after the last micro-batch (the streamed weights' size); the update runs after backward,
-   not overlapped with it; each layer is read once more for its update. A gradient checkpointed
-   model, LoRA adapters (use :meth:`StreamedModel.accumulate` for those), ``verify=True`` and
-   ``tier="host"`` are refused.
+   With ``max_norm`` every streamed layer's gradient is held in host memory until the norm is
+   known (the streamed weights' size); the update does not yet overlap the backward of the layer
+   below (it runs between them); each layer is read once more for its update. A gradient
+   checkpointed model, LoRA adapters (use :meth:`StreamedModel.accumulate` for those),
+   ``verify=True`` and ``tier="host"`` are refused.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from gds_offload.io.factory import make_engine
 from gds_offload.weights.accumulate import Loss
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.bind import view_of
-from gds_offload.weights.generations import Generations, Step
+from gds_offload.weights.generations import Generations, Step, StepWriter
 from gds_offload.weights.manifest import GroupEntry
 from gds_offload.weights.storefile import aligned_host_buffer
 from gds_offload.weights.stream import StreamedModel
@@ -107,6 +111,8 @@ class StreamedTrainer:
         self._engine = make_engine(lm.engine.name, num_threads=4)  # type: ignore[arg-type]  # the engine the layers stream through
         self._gens = Generations(Path(state_dir) if state_dir is not None else lm.store_dirs[0] / "train", manifest, lm.store_dirs)
         self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._params_of = [[n for n in lm.binding.by_group.get(g.name, []) if lm.binding.targets[n][0].is_param] for g in self._streamed]
+        self._pending = _Pending(self._gens, self._engine, micro_batches=None)
         try:
             if self._gens.current.generation is not None:
                 self._resume()
@@ -142,13 +148,16 @@ class StreamedTrainer:
         """
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ConfigError(f"max_norm={max_norm!r}: give a positive number, or None for no clipping")
-        self._grads = {}
+        # Without clipping a layer is updated as soon as its last micro-batch's gradient is in (its
+        # gradient then leaves memory); clipping needs every gradient's norm first.
+        self._pending = _Pending(self._gens, self._engine, micro_batches=len(batches) if max_norm is None else None)
         try:
             losses = self._lm.accumulate(batches, per_load=per_load, loss=loss, seed=seed)
             if max_norm is not None:
                 self._clip(float(max_norm))
-            self._update()
+            self._finish()
         finally:
+            self._pending.close()
             self._grads = {}
         return losses
 
@@ -171,6 +180,11 @@ class StreamedTrainer:
             acc[name].add_(grad)  # AccumulateGrad's in-place sum, in the same order
         else:
             acc[name] = grad
+        p = self._pending
+        if p.count(pos, name) and all(p.counts[pos].get(n, 0) == p.micro_batches for n in self._params_of[pos]):
+            self._update_layer(pos, self._streamed[pos], p.files, p.writer())  # every micro-batch's gradient is in
+            p.done.add(pos)
+            del self._grads[pos]
 
     def _clip(self, max_norm: float) -> None:
         streamed = {n: g for acc in self._grads.values() for n, g in acc.items()}
@@ -194,23 +208,19 @@ class StreamedTrainer:
         for g in grads:
             g.mul_(coef.to(g.device))
 
-    def _update(self) -> None:
-        writer = self._gens.begin(self._engine)
-        files = self._gens.files()
-        try:
-            for pos, g in enumerate(self._streamed):
-                self._update_layer(pos, g, files, writer)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            for g in self._in_memory:
-                writer.write_group(g, self._pack(g))
-            writer.write_state(_RESIDENT, self._state_entries(self.optimizer, self._resident))
-            step = self._gens.commit(writer)
-        except BaseException:
-            writer.close()
-            raise
-        finally:
-            files.close()
+    def _finish(self) -> None:
+        p = self._pending
+        writer = p.writer()
+        for pos, g in enumerate(self._streamed):
+            if pos not in p.done:
+                self._update_layer(pos, g, p.files, writer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for g in self._in_memory:
+            writer.write_group(g, self._pack(g))
+        writer.write_state(_RESIDENT, self._state_entries(self.optimizer, self._resident))
+        step = self._gens.commit(writer)
+        p.committed = True
         self._lm.use_files(self._gens.files(step)).close()
 
     def _update_layer(self, pos: int, g: GroupEntry, files: Any, writer: Any) -> None:
@@ -304,3 +314,41 @@ class StreamedTrainer:
         if entry is None:
             raise ConfigError(f"{name!r} is not a tensor of this model's store")
         return self._gens.read_state(entry.group).get(name, {})
+
+
+class _Pending:
+    """One step in progress: the files of the step it reads, the writer of the next (made at first
+    use), and, when layers are updated as their gradients complete, how many each parameter got."""
+
+    def __init__(self, gens: Generations, engine: Any, *, micro_batches: int | None) -> None:
+        self._gens, self._engine, self.micro_batches = gens, engine, micro_batches
+        self.counts: dict[int, dict[str, int]] = {}
+        self.done: set[int] = set()
+        self.committed = False
+        self._files: Any = None
+        self._writer: StepWriter | None = None
+
+    @property
+    def files(self) -> Any:
+        if self._files is None:
+            self._files = self._gens.files()
+        return self._files
+
+    def writer(self) -> StepWriter:
+        if self._writer is None:
+            self._writer = self._gens.begin(self._engine)
+        return self._writer
+
+    def count(self, pos: int, name: str) -> bool:
+        """Count a gradient of ``name``; whether layers are updated as they complete."""
+        if self.micro_batches is None:
+            return False
+        c = self.counts.setdefault(pos, {})
+        c[name] = c.get(name, 0) + 1
+        return True
+
+    def close(self) -> None:
+        if self._writer is not None and not self.committed:
+            self._writer.close()  # abandoned: step.json still names the step before
+        if self._files is not None:
+            self._files.close()
