@@ -187,3 +187,18 @@ def test_full_finetuning_on_cuda_equals_resident_training_on_the_same_gpu(ckpt: 
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     weights = _exported(store, tmp_path / "out")
     assert all(torch.equal(weights[k], v.cpu()) for k, v in ref.state_dict().items())
+
+
+def test_convert_check_validates_a_trained_store(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gds_offload.cli import main as cli_main
+
+    with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+        trainer.step(_batches(1)[0])
+    assert cli_main(["convert", "--check", str(store)]) == 0
+    assert "training step 1: every group and 5 optimizer state files match step.json" in capsys.readouterr().out  # 4 layers, the resident group
+    state = store / "train" / "state-0.model.layers.3.bin"
+    data = bytearray(state.read_bytes())
+    data[10] ^= 0xFF
+    state.write_bytes(bytes(data))
+    assert cli_main(["convert", "--check", str(store)]) == 1
+    assert "state-0.model.layers.3.bin is corrupt" in capsys.readouterr().err

@@ -81,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
         if args.check:
             with ByteBar("checking", quiet=args.json) as bar:
                 c = verify_store([str(o) for o in outs] if len(outs) > 1 else outs[0], progress=bar)
-            result["check"] = {"ok": True, "groups": c.groups, "nbytes": c.nbytes, "seconds": round(c.seconds, 3)}
+            result["check"] = {"ok": True, "groups": c.groups, "nbytes": c.nbytes, "seconds": round(c.seconds, 3), "train_step": c.train_step}
             if not args.json:
                 print(f"check: all {c.groups} groups match their checksums ({format_bytes(c.nbytes)} in {c.seconds:.2f} s)")
+                if c.train_step:
+                    print(f"check: training step {c.train_step}: every group and {c.train_states} optimizer state files match step.json")
     except StoreCorruptError as exc:
         result["check"] = {"ok": False, "error": str(exc)}
         print(json.dumps(result, indent=2) if args.json else f"check FAILED: {exc}", file=sys.stdout if args.json else sys.stderr)

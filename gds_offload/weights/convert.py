@@ -45,6 +45,7 @@ from gds_offload.io.layout import File, Slot
 from gds_offload.units import format_bytes
 from gds_offload.weights.checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
+from gds_offload.weights.generations import Generations
 from gds_offload.weights.manifest import MANIFEST_NAME, TENSOR_ALIGN, FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
 from gds_offload.weights.outdir import DATA_NAME, prepare_dirs, remove_store, write_small_file
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
@@ -75,6 +76,9 @@ class StoreCheck:
     groups: int
     nbytes: int
     seconds: float
+    #: The training step checked too (``STORE/train``, :class:`~gds_offload.weights.trainer.StreamedTrainer`'s), 0 if none.
+    train_step: int = 0
+    train_states: int = 0
 
 
 def convert(
@@ -198,7 +202,9 @@ def _free_or_unknown(d: Path) -> str:
 
 def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]], *, progress: Progress | None = None) -> StoreCheck:
     """Re-read every group of a store and check its xxh3-64 checksum; ``progress(group, done_bytes,
-    total_bytes)`` after each group is checked (on the calling thread).
+    total_bytes)`` after each group is checked (on the calling thread). A store trained by
+    :class:`~gds_offload.weights.trainer.StreamedTrainer` has its last complete step checked too
+    (its weights and optimizer state against ``STORE/train/step.json``).
 
     Raises:
         StoreCorruptError: the first group (in file order) whose bytes differ, by layer name.
@@ -230,10 +236,12 @@ def verify_store(store: str | os.PathLike[str] | list[str | os.PathLike[str]], *
                 check(*pending.pop(0))
         for item in pending:
             check(*item)
+        gens = Generations(Path(first) / "train", manifest, dirs)
+        trained = gens.verify(engine) if gens.current.generation is not None else (0, 0)
     finally:
         engine.close()
         files.close()
-    return StoreCheck(len(manifest.groups), manifest.total_nbytes(), time.perf_counter() - start)
+    return StoreCheck(len(manifest.groups), manifest.total_nbytes(), time.perf_counter() - start, gens.current.step, trained[1])
 
 
 def _wait_checked(group: GroupEntry, future: IOFuture) -> None:

@@ -142,6 +142,19 @@ class Generations:
                                     f"restore the training directory or start again from the store")  # fmt: skip
         return unpack_state(layout, buf)
 
+    def verify(self, engine: Engine) -> tuple[int, int]:
+        """Re-read the current step's weight groups and state files and check every checksum;
+        ``(groups, state files)`` checked. Raises :class:`StoreCorruptError` naming the first that differs."""
+        files = self.files()
+        try:
+            for g in self.manifest.groups:
+                self.read_group(engine, files, g)
+        finally:
+            files.close()
+        for name in self.current.states:
+            self.read_state(name)
+        return len(self.manifest.groups), len(self.current.states)
+
     # -- writing ------------------------------------------------------------------------------
     def begin(self, engine: Engine) -> StepWriter:
         """Start writing step ``current.step + 1`` into the other generation."""
