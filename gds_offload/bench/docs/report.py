@@ -331,7 +331,7 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
         f"* results: [`{section.path.name}`]({os.path.relpath(section.path, page_dir)})",
         "",
     ]
-    sources = sorted({str(r["memory_source"]) for r in doc.get("results") or [] if r.get("memory_source")})
+    sources = sorted({str(r["memory_source"]) for r in doc.get("results") or [] if isinstance(r, dict) and r.get("memory_source")})
     if sources and sources != [CPU_SOURCE] and sources != [CUDA_SOURCE]:
         lines[-1:-1] = [f"* memory: {'; '.join(sources)}"]
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
