@@ -202,3 +202,40 @@ def test_convert_check_validates_a_trained_store(store: Path, capsys: pytest.Cap
     state.write_bytes(bytes(data))
     assert cli_main(["convert", "--check", str(store)]) == 1
     assert "state-0.model.layers.3.bin is corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["backward", "resident update"])
+def test_ctrl_c_inside_a_step_leaves_the_last_complete_step(ckpt: Path, store: Path, tmp_path: Path, where: str) -> None:
+    """A KeyboardInterrupt in the second step (in a micro-batch's loss, or after the resident
+    optimizer changed its tensors) rolls memory back to step 1: steps 1 and 3 then equal
+    resident training on those two steps alone."""
+    steps = _batches(2)
+    ref, _, ref_losses = _resident(ckpt, OPTIMIZERS["adamw"], [steps[0], steps[2]], None, upto=2)
+    with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+        losses = trainer.step(steps[0])
+        if where == "backward":
+            calls = iter(range(10))
+
+            def loss(out, batch):  # the second micro-batch is interrupted
+                if next(calls) == 1:
+                    raise KeyboardInterrupt
+                return out.loss
+
+            with pytest.raises(KeyboardInterrupt):
+                trainer.step(steps[1], loss=loss)
+        else:
+            original = trainer.optimizer.step
+
+            def interrupted(*a, **kw):
+                original(*a, **kw)
+                raise KeyboardInterrupt
+
+            trainer.optimizer.step = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                trainer.step(steps[1])
+            trainer.optimizer.step = original  # type: ignore[method-assign]
+        assert trainer.step_count == 1
+        losses += trainer.step(steps[2])
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    weights = _exported(store, tmp_path / "out")
+    assert all(torch.equal(weights[k], v) for k, v in ref.state_dict().items())

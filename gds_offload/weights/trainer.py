@@ -50,13 +50,15 @@ import torch
 from torch import nn
 
 from gds_offload.errors import ConfigError
+from gds_offload.io.base import Engine
 from gds_offload.io.factory import make_engine
 from gds_offload.weights.accumulate import Loss
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.bind import view_of
 from gds_offload.weights.generations import Generations, Step, StepWriter
+from gds_offload.weights.interrupts import held
 from gds_offload.weights.manifest import GroupEntry
-from gds_offload.weights.storefile import aligned_host_buffer
+from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer
 from gds_offload.weights.stream import StreamedModel
 
 __all__ = ["StreamedTrainer"]
@@ -115,7 +117,7 @@ class StreamedTrainer:
         self._pending = _Pending(self._gens, self._engine, micro_batches=None)
         try:
             if self._gens.current.generation is not None:
-                self._resume()
+                self._restore()
             lm.train_layers(self._on_grad)
         except BaseException:
             self._engine.close()
@@ -156,6 +158,11 @@ class StreamedTrainer:
             if max_norm is not None:
                 self._clip(float(max_norm))
             self._finish()
+        except BaseException:
+            if not self._pending.committed:
+                with held():
+                    self._restore()
+            raise
         finally:
             self._pending.close()
             self._grads = {}
@@ -219,11 +226,12 @@ class StreamedTrainer:
         for g in self._in_memory:
             writer.write_group(g, self._pack(g))
         writer.write_state(_RESIDENT, self._state_entries(self.optimizer, self._resident))
-        step = self._gens.commit(writer)
-        p.committed = True
-        self._lm.use_files(self._gens.files(step)).close()
+        with held():  # the step on the drive and the files the model reads change together
+            step = self._gens.commit(writer)
+            p.committed = True
+            self._lm.use_files(self._gens.files(step)).close()
 
-    def _update_layer(self, pos: int, g: GroupEntry, files: Any, writer: Any) -> None:
+    def _update_layer(self, pos: int, g: GroupEntry, files: StoreFiles, writer: StepWriter) -> None:
         buf = self._gens.read_group(self._engine, files, g)
         binding, dev = self._lm.binding, self._lm.device
         views = {n: view_of(buf, binding.entries[n], g.offset) for n in binding.by_group.get(g.name, []) if binding.targets[n][0].is_param}
@@ -284,8 +292,12 @@ class StreamedTrainer:
             view_of(buf, e, g.offset).copy_(self._resident[n].detach())
         return buf
 
-    def _resume(self) -> None:
-        """Put the current step's resident tensors and optimizer state in place."""
+    def _restore(self) -> None:
+        """Put the current step's resident tensors and optimizer state in place, drop any gradient,
+        and read the streamed layers from its files: at load, and after a step that raised (a
+        Ctrl-C or an I/O error mid-update leaves memory as the last complete step had it)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
         files = self._gens.files()
         try:
             with torch.no_grad():
@@ -320,16 +332,16 @@ class _Pending:
     """One step in progress: the files of the step it reads, the writer of the next (made at first
     use), and, when layers are updated as their gradients complete, how many each parameter got."""
 
-    def __init__(self, gens: Generations, engine: Any, *, micro_batches: int | None) -> None:
+    def __init__(self, gens: Generations, engine: Engine, *, micro_batches: int | None) -> None:
         self._gens, self._engine, self.micro_batches = gens, engine, micro_batches
         self.counts: dict[int, dict[str, int]] = {}
         self.done: set[int] = set()
         self.committed = False
-        self._files: Any = None
+        self._files: StoreFiles | None = None
         self._writer: StepWriter | None = None
 
     @property
-    def files(self) -> Any:
+    def files(self) -> StoreFiles:
         if self._files is None:
             self._files = self._gens.files()
         return self._files
