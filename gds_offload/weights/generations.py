@@ -20,6 +20,7 @@ files are on the drive): never a mix. Reading a step checks every checksum again
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.integrity import checksum
 from gds_offload.io.layout import ALIGN, File, Slot, align_up
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
-from gds_offload.weights.manifest import TENSOR_ALIGN, FileEntry, GroupEntry, Manifest
+from gds_offload.weights.manifest import DTYPE_SIZES, TENSOR_ALIGN, FileEntry, GroupEntry, Manifest
 from gds_offload.weights.outdir import write_small_file
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group
 from gds_offload.weights.trust import check_name, create_file, make_dirs, open_dir, read_file
@@ -207,7 +208,7 @@ class Generations:
                 raise ValueError("its step, generation or groups are not this store's")
             for v in states.values():
                 for e in v:
-                    if e.dtype not in _DTYPES or e.offset < 0 or e.nbytes != _numel(e.shape) * _DTYPES[e.dtype]:
+                    if e.dtype not in DTYPE_SIZES or e.offset < 0 or e.nbytes != math.prod(e.shape) * DTYPE_SIZES[e.dtype]:
                         raise ValueError(f"state {e.param}/{e.key}: bad dtype, offset or size")
             for k in states:
                 check_name(_state_name(gen, k), where=str(where))
@@ -298,16 +299,6 @@ class StepWriter:
 
 
 _IN_FLIGHT = 4
-
-_DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
 
 def _weights_name(g: int, i: int) -> str:
     return f"weights-{g}.{i}.bin"

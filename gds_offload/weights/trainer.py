@@ -55,7 +55,7 @@ from gds_offload.io.factory import make_engine
 from gds_offload.weights.accumulate import Loss
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.bind import view_of
-from gds_offload.weights.generations import Generations, Step, StepWriter
+from gds_offload.weights.generations import Generations, StepWriter
 from gds_offload.weights.interrupts import held
 from gds_offload.weights.manifest import GroupEntry
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer
@@ -312,10 +312,6 @@ class StreamedTrainer:
             if p is not None:
                 self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
         self._lm.use_files(self._gens.files()).close()
-
-    def current(self) -> Step:
-        """The last complete step on the drive."""
-        return self._gens.current
 
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         """The optimizer state of parameter ``name`` (the store's name) after the last step: the
