@@ -7,11 +7,16 @@ Fixtures:
     engine_and_store: ``(engine, store)`` for the current ``engine_modes`` value.
     engine: each drive engine that runs here (posix; compat where KvikIO is usable), by name.
     cuda_device: ``torch.device("cuda")``, or a skip naming the missing GPU.
+    signal_handlers_are_restored (autouse): a test that leaves a SIGINT or SIGTERM
+        handler changed fails, naming it, and the handler is put back, so the
+        Ctrl-C tests that follow it see Python's own handler (which the session
+        installs if it started with SIGINT ignored: see pytest_configure).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +28,30 @@ from helpers.gates import ENGINE_MODES, ENGINES
 
 from gds_offload.activations.spill.store import SpillStore
 from gds_offload.io import make_engine
+
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started in the background by a shell without job control (as a CI runner may start
+    # it) inherits SIGINT ignored, and Python then installs no Ctrl-C handler: the tests that press
+    # Ctrl-C would see nothing happen. They stand for a user at a terminal, so give them Python's own.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_are_restored() -> Iterator[None]:
+    before = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS}
+    yield
+    changed = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS if signal.getsignal(s) is not before[s]}
+    for s in changed:
+        signal.signal(s, before[s])
+    if changed:
+        pytest.fail(
+            "the test left signal handlers changed: "
+            + ", ".join(f"{signal.Signals(s).name} = {h!r}" for s, h in changed.items())
+        )
 
 
 @pytest.fixture

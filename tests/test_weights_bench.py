@@ -227,6 +227,60 @@ def test_bench_finetune_with_gradient_checkpointing(tmp_path: Path) -> None:
     assert rows["drive"]["store_bytes_per_step"] == sum(sizes[slots:]) + sum(sizes[: len(sizes) - slots])
 
 
+def test_bench_finetune_full_tiny_end_to_end(tmp_path: Path) -> None:
+    """--full: every weight trained in each mode's child; StreamedTrainer's losses and final weights
+    equal resident's bit for bit, it writes every streamed layer's weights and AdamW state each
+    step, its training directory is removed; DeepSpeed ZeRO-Infinity (where installed) runs with
+    its optimizer state on NVMe and its loss difference from resident is measured."""
+    import importlib.util
+
+    ds = importlib.util.find_spec("deepspeed") is not None
+    modes = "resident,drive" + (",deepspeed-infinity" if ds else "")
+    work = real_disk_base() / f"gds_offload-bench-full-test-{os.getpid()}"
+    out = tmp_path / "full.json"
+    try:
+        rc = cli_main(["bench-finetune", "--full", "--tiny", "--modes", modes, "--seq-len", "16", "--steps", "1", "--workdir", str(work),
+                       "--out", str(out)])  # fmt: skip
+        from gds_offload.weights import read_manifest
+
+        streamed = sum(g.nbytes for g in read_manifest(work / "store").layers)
+        assert not list(work.glob("full-*")) and not (work / "deepspeed-nvme").exists()  # training and export folders removed
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    doc = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert rc == 0 and doc["spec"]["micro_batches"] == 2 and doc["spec"]["per_load"] == 2
+    drive, resident = rows["drive"], rows["resident"]
+    assert resident["status"] == "ok" and len(resident["losses"]) == 2 * 2 and resident["weights_xxh3"]
+    assert drive["matches_resident"] is True and drive["losses"] == resident["losses"] and drive["weights_xxh3"] == resident["weights_xxh3"]
+    assert drive["written_bytes_per_step"] >= 3 * streamed  # the next generation: weights, exp_avg, exp_avg_sq of every layer
+    assert doc["spec"]["minimum_read_bytes_per_step"] == 5 * streamed
+    if ds:
+        assert rows["deepspeed-infinity"]["status"] == "ok", rows["deepspeed-infinity"]["error"]
+        assert rows["deepspeed-infinity"]["settings"]["optimizer"] == "DeepSpeedCPUAdam"
+        assert rows["deepspeed-infinity"]["max_loss_diff"] is not None
+    from gds_offload.bench.docs.headline import headline
+    from gds_offload.bench.docs.report import Section, render_section
+
+    line = headline(doc)
+    assert line is not None and line.startswith("streamed-drive exact, ") and "x resident's train tok/s" in line
+    page = "\n".join(render_section(Section(out, doc), tmp_path))
+    assert "| streamed-drive (StreamedTrainer) | 1 |" in page and "yes (bit for bit)" in page
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--checkpointing"], "StreamedTrainer does not train a gradient-checkpointed model"),
+    (["--micro-batches", "2", "--per-load", "3"], "--per-load 3 is more than --micro-batches 2"),
+    (["--modes", "resident,accelerate-disk"], "accelerate-disk"),
+])  # fmt: skip
+def test_bench_finetune_full_refuses_bad_flags_before_anything_runs(args: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "work"
+    assert cli_main(["bench-finetune", "--full", "--tiny", "--workdir", str(work), *args]) == 2
+    assert says in capsys.readouterr().out and not work.exists()
+
+
 def test_an_engine_says_how_deep_it_reads() -> None:
     """The raw reference read beside a mode uses the engine's own depth (``Engine.depth``)."""
     from gds_offload.io.factory import make_engine

@@ -85,6 +85,23 @@ def _finetune(doc: dict[str, Any]) -> str | None:
     return "; ".join(parts + [f"{x}: failed" for x in failed]) or None
 
 
+def _full(doc: dict[str, Any]) -> str | None:
+    """``bench-finetune --full``: streamed-drive against resident and against DeepSpeed ZeRO-Infinity, at the largest micro-batch."""
+    rows = {(r["mode"], r["batch"]): r for r in doc["summary"]["full"] if r["tokens_per_s"]}
+    drive = [r for (mode, _), r in rows.items() if mode == "drive"]
+    if not drive:
+        return "streamed-drive: failed" if any(r["mode"] == "drive" for r in doc["summary"]["full"]) else None
+    r = max(drive, key=lambda r: r["batch"])
+    parts = [f"streamed-drive {'exact' if r['matches_resident'] else 'NOT exact'}"]
+    for mode, label in (("resident", "resident's"), ("deepspeed-infinity", "DeepSpeed ZeRO-Infinity's")):
+        other = rows.get((mode, r["batch"]))
+        if other is not None:
+            parts.append(f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x {label} train tok/s")
+        elif any(x["mode"] == mode for x in doc["summary"]["full"]):
+            parts.append(f"{label.removesuffix(chr(39) + 's')} failed")
+    return ", ".join(parts) + f" (micro-batch {r['batch']})"
+
+
 def headline(doc: dict[str, Any]) -> str | None:
     """One line for ``doc``: its targets met, or its modes' ratios to ``keep`` (per setting for
     ``bench --nproc``), or the fine-tuning modes' ratios to resident, or its loader ratios; None
@@ -95,6 +112,8 @@ def headline(doc: dict[str, Any]) -> str | None:
         return _ranks(doc)
     if "finetune" in summary:
         return _finetune(doc)
+    if "full" in summary:
+        return _full(doc)
     return _targets(doc) or (_bench(doc) if "modes" in summary else None) or _loader(doc)
 
 

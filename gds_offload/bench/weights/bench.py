@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -202,9 +202,9 @@ _Row = TypeVar("_Row", bound=Any)
 
 
 def run_rounds(modes: list[str], rounds: int, *, memory_limit: int | None, workdir: Path, say: Callable[[str], None],
-               run: Callable[[str, int | None], list[_Row]]) -> list[_Row]:  # fmt: skip
+               run: Callable[[str, int | None], list[_Row]], capped: Sequence[str] = CAPPED) -> list[_Row]:  # fmt: skip
     """``run(mode, cap)`` for every mode, ``rounds`` times: round ``k`` starts ``k`` modes later, so a
-    slow spell of a shared machine does not always hit the same mode; modes in :data:`CAPPED` get
+    slow spell of a shared machine does not always hit the same mode; modes in ``capped`` get
     ``memory_limit``. Each row's ``round`` is set. Accelerate's offload folders are removed after.
     With a ``memory_limit``, before the first child: the limit is checked
     (:func:`~gds_offload.bench.cgroup.check_limit`: a bad one raises ``ConfigError`` here, not
@@ -219,7 +219,7 @@ def run_rounds(modes: list[str], rounds: int, *, memory_limit: int | None, workd
     try:
         for k in range(rounds):
             for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
-                limit = memory_limit if mode in CAPPED else None
+                limit = memory_limit if mode in capped else None
                 say(f"round {k + 1}/{rounds}: {mode}" + (f" (cap {limit} bytes)" if limit is not None else ""))
                 for r in run(mode, limit):
                     r.round = k

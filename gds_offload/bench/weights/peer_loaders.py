@@ -51,16 +51,18 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.procs import child_env
 from gds_offload.bench.weights.bench import BenchSpec
 from gds_offload.bench.weights.child import load_mode
 
-__all__ = ["Loaded", "LOADERS", "PACKAGES", "airllm_dir", "airllm_ready", "peer_support", "deepspeed_aio_built", "deepspeed_config", "deepspeed_nvme_dir", "load_accelerate_disk", "load_airllm",
+__all__ = ["Loaded", "LOADERS", "PACKAGES", "airllm_dir", "airllm_ready", "build_deepspeed_ops", "peer_support", "deepspeed_aio_built", "deepspeed_config", "deepspeed_nvme_dir", "load_accelerate_disk", "load_airllm",
            "load_deepspeed", "load_resident"]  # fmt: skip
 
 
@@ -187,6 +189,27 @@ def deepspeed_aio_built() -> tuple[bool, str]:
         return False, (f"DeepSpeed's {' and '.join(missing)} op{'s are' if len(missing) > 1 else ' is'} not built in {root} (needs libaio-dev; "
                        'build once: DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()")')  # fmt: skip
     return True, f"built in {root}"
+
+
+def build_deepspeed_ops(builders: tuple[str, ...] = ("AsyncIOBuilder",), *, timeout_s: float = 1800) -> tuple[bool, str]:
+    """``(built, why_not)``: load DeepSpeed's ops (``builders``, names in ``deepspeed.ops.op_builder``;
+    ``AsyncIOBuilder`` loads ``pin_memory`` too) once in a child of their own, uncapped, with a
+    benchmark child's environment, so that torch's JIT builder finds them up to date when a
+    capped child loads them.
+
+    Why: torch re-runs ninja at every load, and a ninja that cannot trust the build log (another
+    ninja version wrote it) recompiles; a compiler inside a 1.2 GiB cap fails, and the peer with it."""
+    names = ", ".join(builders)
+    code = f"from deepspeed.ops.op_builder import {names}; " + "; ".join(f"{b}().load()" for b in builders)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=child_env({"DS_ACCELERATOR": "cpu"}), capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False, f"building DeepSpeed's ops ({names}) took over {timeout_s:g} s"
+    if done.returncode != 0:
+        tail = " | ".join(line.strip() for line in done.stderr.strip().splitlines()[-4:])
+        return False, f"building DeepSpeed's ops ({names}) failed (exit {done.returncode}): {tail}"[:600]
+    return True, ""
 
 
 #: The Python package each peer needs.

@@ -11,8 +11,10 @@ finding each one's best batch: the seam a benchmark driver calls.
 * :func:`prepare_peer`: a peer's one-time preparation, uncapped and not measured (for
   ``airllm``: splitting the checkpoint into per-layer shards, AirLLM's counterpart of
   converting to a store; it loads the whole, memory-mapped, checkpoint once per module).
-  :func:`run_peer` calls it when AirLLM's shards are not all there. The other peers need none:
-  DeepSpeed writes its NVMe swap files at every load, in ``setup_s``.
+  :func:`run_peer` calls it when AirLLM's shards are not all there; for
+  ``deepspeed-zero-inference``: loading its ``async_io`` op once outside the cap
+  (:func:`~gds_offload.bench.weights.peer_loaders.build_deepspeed_ops`), before every run, so that
+  no compiler runs under the cap. DeepSpeed writes its NVMe swap files at every load, in ``setup_s``.
 * :func:`best_batch`: short probes (the first ``b`` prompts as one batch, a few new tokens) at
   growing batch sizes until one fails (out of memory, timeout) or is clearly slower than the
   best so far; each probe's throughput is extrapolated to the full workload
@@ -24,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -33,7 +36,7 @@ from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit
 from gds_offload.bench.weights.bench import child_env, remove_offload_folders
 from gds_offload.bench.weights.drive import evict
-from gds_offload.bench.weights.peer_loaders import airllm_dir, airllm_ready, deepspeed_nvme_dir, peer_support
+from gds_offload.bench.weights.peer_loaders import airllm_dir, airllm_ready, build_deepspeed_ops, deepspeed_nvme_dir, peer_support
 from gds_offload.bench.weights.peers import MODULE, PEERS, REFERENCE, PeerSpec, check_peer, check_prompts
 from gds_offload.errors import ConfigError
 from gds_offload.units import checked_int, format_bytes
@@ -169,11 +172,15 @@ def prepare_peer(peer: str, *, checkpoint: str | Path, workdir: str | Path, time
     """``peer``'s one-time preparation (uncapped; see the module doc). ``None`` for the peers that
     need none; else the preparing child's result (``setup_s``: how long it took)."""
     peer = _check_run(peer, checkpoint, timeout_s, None)
-    if peer != "airllm":
+    if peer not in ("airllm", "deepspeed-zero-inference"):
         return None
     ok, why = peer_support(peer)
     if not ok:
         return PeerResult(peer, 1, status="unsupported", error=why)
+    if peer == "deepspeed-zero-inference":
+        t = time.perf_counter()
+        built, why = build_deepspeed_ops(timeout_s=timeout_s)
+        return PeerResult(peer, 1, status="ok" if built else "error", error=why or None, setup_s=time.perf_counter() - t)
     return _spawn(_spec(peer, checkpoint, Path(workdir), 1, 1, prepare_only=True), [], memory_limit=None, timeout_s=timeout_s)
 
 
@@ -197,11 +204,12 @@ def run_peer(peer: str, *, checkpoint: str | Path, workdir: str | Path, prompts:
     if not ok:
         return PeerResult(peer, batch, status="unsupported", error=why, prompts=len(todo), max_new_tokens=max_new_tokens)
     prepare_s = None
-    if peer == "airllm" and not airllm_ready(checkpoint, workdir):
+    if (peer == "airllm" and not airllm_ready(checkpoint, workdir)) or peer == "deepspeed-zero-inference":
         prep = prepare_peer(peer, checkpoint=checkpoint, workdir=workdir, timeout_s=timeout_s)
-        assert prep is not None, "airllm has a preparation"
+        assert prep is not None, f"{peer} has a preparation"
         if prep.status != "ok":
-            return replace(prep, batch=batch, prompts=len(todo), max_new_tokens=max_new_tokens, error=f"preparing AirLLM's shards: {prep.error}")
+            what = "AirLLM's shards" if peer == "airllm" else "DeepSpeed's async_io op, uncapped"
+            return replace(prep, batch=batch, prompts=len(todo), max_new_tokens=max_new_tokens, error=f"preparing {what}: {prep.error}")
         prepare_s = prep.setup_s
     r = _spawn(_spec(peer, checkpoint, Path(workdir), max_new_tokens, batch), todo, memory_limit=memory_limit, timeout_s=timeout_s)
     return replace(r, prepare_s=prepare_s)
