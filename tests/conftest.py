@@ -11,9 +11,12 @@ Fixtures:
         handler changed fails, naming it, and the handler is put back, so the
         Ctrl-C tests that follow it see Python's own handler (which the session
         installs if it started with SIGINT ignored: see pytest_configure).
+    a_hang_ends_the_run (autouse): a test still running after HANG_S seconds prints
+        every thread's stack and ends the run, so a hang names itself at once.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -38,6 +41,22 @@ def pytest_configure(config: pytest.Config) -> None:
     # Ctrl-C would see nothing happen. They stand for a user at a terminal, so give them Python's own.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    global _STDERR_FD
+    _STDERR_FD = os.dup(2)  # the run's own stderr, which a test's captured output does not hide
+
+
+_STDERR_FD = 2
+
+
+#: The slowest test here takes a few minutes; one still running after this is stuck.
+HANG_S = float(os.environ.get("GDS_OFFLOAD_TEST_HANG_S", "1200"))
+
+
+@pytest.fixture(autouse=True)
+def a_hang_ends_the_run() -> Iterator[None]:
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_STDERR_FD)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default 16; with --full 256)")
     p.add_argument("--micro-batches", type=positive_int, default=2, help="--full: micro-batches per optimizer step (default 2)")
     p.add_argument("--per-load", type=positive_int, default=None, help="--full: micro-batches per weight load when streamed (default: all of a step's)")
+    p.add_argument("--child-timeout", type=positive_int, default=7200, help="--full: seconds a mode's child may run before it is killed (default 7200)")
     p.add_argument("--steps", type=positive_int, default=2, help="measured steps per batch size, after one warm-up (default 2)")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--slots", type=positive_int, default=2, help="ring buffers of the drive mode (default 2)")
@@ -100,7 +101,8 @@ def _run_full(args: argparse.Namespace, modes: list[str], model: Any, limit: int
 
     spec = FullSpec("", "", "", str(workdir), batch_sizes=args.batch_sizes or (1,), seq_len=args.seq_len or 256, micro_batches=args.micro_batches,
                     per_load=args.per_load or args.micro_batches, steps=args.steps, slots=args.slots)  # fmt: skip
-    report = run_full_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, progress=lambda text: console.log(text))
+    report = run_full_bench(spec, modes, model=model, rounds=args.rounds, memory_limit=limit, progress=lambda text: console.log(text),
+                            timeout_s=args.child_timeout)  # fmt: skip
     emit(full_document(report, started=started, workdir=workdir, commit=commit, title=args.title, command=command), args.out)
     ours = [r for r in report["summary"]["full"] if r["mode"] in ("resident", "drive")]
     return 1 if any(r["rounds_ok"] < r["rounds"] or r["matches_resident"] is False for r in ours) else 0

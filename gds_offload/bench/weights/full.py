@@ -92,15 +92,16 @@ def run_full_mode(spec: FullSpec, *, memory_limit: int | None, timeout_s: float 
 
 
 def run_full_bench(base: FullSpec, modes: list[str], *, model: BenchModel, rounds: int = 1, memory_limit: int | None = None,
-                   progress: Any = None) -> dict[str, Any]:  # fmt: skip
+                   progress: Any = None, timeout_s: float = 7200) -> dict[str, Any]:  # fmt: skip
     """Prepare, run every mode ``rounds`` times (interleaved), compare with ``resident``. Returns a
     JSON-ready dict: ``model``, ``spec``, ``summary`` (per mode and micro-batch size: medians over
-    rounds) and ``results`` (every row)."""
+    rounds) and ``results`` (every row); a child still running after ``timeout_s`` is killed (its row an error)."""
     say = progress or (lambda text: None)
     say("preparing the checkpoint and the store")
     ckpt, store = prepare(model, Path(base.workdir))
     rows = run_rounds(modes, rounds, memory_limit=memory_limit, workdir=Path(base.workdir), say=say, capped=FULL_CAPPED,
-                      run=lambda mode, limit: run_full_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit))  # fmt: skip
+                      run=lambda mode, limit: run_full_mode(replace(base, mode=mode, checkpoint=str(ckpt), store=str(store)), memory_limit=limit,
+                                                            timeout_s=timeout_s))  # fmt: skip
     ref = {(r.round, r.batch): r for r in rows if r.mode == "resident" and r.status == "ok"}
     for r in rows:
         want = ref.get((r.round, r.batch))
