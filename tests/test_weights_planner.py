@@ -155,6 +155,8 @@ def test_the_finetune_profile_is_measured_from_the_store(store: Path) -> None:
     assert p.layers == 4 and p.hidden_nbytes == 64 * 4 and p.read_Bps > 0 and p.base_nbytes > 0
     assert p.train_forward.fixed + p.train_forward.per_row > 0 and p.train_backward.fixed + p.train_backward.per_row > 0
     assert p.saved_nbytes > 0 and p.trainable_nbytes > 0
+    # The head and the model's loss, forward and backward: at least the logits and their gradient per token.
+    assert p.head_train_nbytes >= 2 * p.logits_nbytes
 
 
 def test_infeasible_input_is_refused_before_measuring(store: Path) -> None:
@@ -279,6 +281,21 @@ def test_finetuning_offloads_activations_when_keeping_them_does_not_fit() -> Non
     keep_all = estimate_ft(_train_profile(), w, Choice(8, 1, 0, 2), 64 * GiB)
     assert keep_all.peak_nbytes > 4 * GiB  # 8 x 1024 tokens x 12 layers x 40 KB
     assert choose(_train_profile(), w, 1 * GiB + 400 * MiB).choice.offload_activations  # keeping even one micro-batch's does not fit
+
+
+def test_a_finetune_peak_counts_every_micro_batchs_head_and_the_offloaders_bound() -> None:
+    """The micro-batches of a wave run as a team, so each holds its head's and loss's memory at the
+    same time; offloaded activations hold attach()'s bound, its 64 MiB write window included."""
+    from gds_offload.weights.cost import peak_finetune
+    from gds_offload.weights.planner import Finetune
+
+    w = Finetune(sequences=64, seq=256, global_batch=64)
+    p = replace(_train_profile(), head_train_nbytes=1e6, saved_nbytes=1000.0)
+    one, two = (peak_finetune(p, w, Choice(1, n, 0, 1, offload_activations=True)) for n in (1, 2))
+    layer = 256 * 1000  # one micro-batch's saved bytes in a layer: the last layer kept and two read in backward per micro-batch
+    assert two - one == 256 * 1e6 + 3 * layer
+    kept = peak_finetune(p, w, Choice(1, 1, 0, 1, offload_activations=False))
+    assert one - kept == 64 * MiB + 3 * layer - 12 * layer
 
 
 def estimate_ft(p: Profile, w: Any, c: Choice, memory: int) -> Any:

@@ -66,8 +66,9 @@ def _batches(micro: int) -> list[list[dict[str, torch.Tensor]]]:
     return out
 
 
-def _resident(ckpt: Path, optimizer, steps, max_norm, upto: int = STEPS, device: str = "cpu"):
-    """The reference: every parameter trained, one optimizer, ordinary accumulation."""
+def _resident(ckpt: Path, optimizer, steps, max_norm, upto: int = STEPS, device: str = "cpu", autocast: torch.dtype | None = None):
+    """The reference: every parameter trained, one optimizer, ordinary accumulation; with
+    ``autocast``, forward and backward under ``torch.autocast`` (clipping and the step outside)."""
     model = resident_model(ckpt).to(device)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -75,8 +76,9 @@ def _resident(ckpt: Path, optimizer, steps, max_norm, upto: int = STEPS, device:
     losses = []
     for s in steps[:upto]:
         for b in s:
-            loss = model(**{k: v.to(device) for k, v in b.items()}).loss
-            loss.backward()
+            with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(**{k: v.to(device) for k, v in b.items()}).loss
+                loss.backward()
             losses.append(loss.detach())
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -118,6 +120,49 @@ def test_full_finetuning_equals_resident_training(ckpt: Path, store: Path, tmp_p
     weights = _exported(store, tmp_path / "out")
     state = ref.state_dict()
     assert sorted(weights) == sorted(state) and all(torch.equal(weights[k], state[k]) for k in state)
+
+
+class MatmulSGD(torch.optim.Optimizer):
+    """SGD whose step multiplies matrices (as Shampoo's or Muon's do), which autocast would run in bf16."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad @ torch.eye(p.shape[-1], dtype=p.dtype) if p.dim() == 2 else p.grad
+                    p.add_(g, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(("opt", "per_load", "max_norm"), [("adamw", 1, None), ("adamw", 2, 0.5), ("matmul-sgd", 1, None)],
+                         ids=["adamw-per_load1", "adamw-per_load2-clip", "matmul-sgd-updated-in-backward"])  # fmt: skip
+def test_mixed_precision_bf16_compute_over_fp32_masters_equals_resident_amp(ckpt: Path, store: Path, tmp_path: Path, opt: str,
+                                                                            per_load: int, max_norm: float | None) -> None:  # fmt: skip
+    """The second mode: the step inside ``torch.autocast(dtype=torch.bfloat16)``, as resident AMP
+    training: bf16 matmuls over the fp32 masters on the drive, fp32 gradients, clipping and updates
+    in fp32 (the trainer leaves autocast for them, even when its update runs inside backward: the
+    matmul optimizer would otherwise step in bf16)."""
+    optimizer = functools.partial(MatmulSGD, lr=0.05) if opt == "matmul-sgd" else OPTIMIZERS[opt]
+    steps = _batches(2)
+    ref, ref_opt, ref_losses = _resident(ckpt, optimizer, steps, max_norm, autocast=torch.bfloat16)
+    _, _, fp32_losses = _resident(ckpt, optimizer, steps, max_norm, upto=1)
+    assert ref_losses[0].dtype == torch.float32 and not torch.equal(ref_losses[0], fp32_losses[0]), "autocast computed in bf16"
+    with load_streamed(meta_skeleton(store), store, engine="posix", resident_layers=1) as lm:
+        trainer = StreamedTrainer(lm, optimizer)
+        losses = []
+        for s in steps:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses += trainer.step(s, per_load=per_load, max_norm=max_norm)
+        name = "model.layers.3.mlp.down_proj.weight"  # a streamed layer's optimizer state, fp32
+        want, got = ref_opt.state[dict(ref.named_parameters())[name]], trainer.state_of(name)
+        assert set(want) == set(got) and all(got[k].dtype == torch.float32 and torch.equal(want[k], got[k]) for k in want if k != "step")
+        trainer.close()
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    weights, state = _exported(store, tmp_path / "out"), ref.state_dict()
+    assert all(weights[k].dtype == torch.float32 and torch.equal(weights[k], state[k]) for k in state)
 
 
 def test_training_resumes_from_the_drive_where_it_stopped(ckpt: Path, store: Path, tmp_path: Path) -> None:

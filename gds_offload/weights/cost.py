@@ -11,6 +11,8 @@ from gds_offload.weights.workload import HEADROOM, Bound, Choice, Estimate, Fine
 
 __all__ = ["estimate", "estimate_finetune", "peak_finetune", "peak_nbytes"]
 
+_WRITE_WINDOW_MIN = 64 << 20  # attach()'s default write window is at least this
+
 
 def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes: int) -> Estimate:
     """``choice``'s predicted time, peak memory and bound for ``workload`` (see the module doc).
@@ -147,14 +149,19 @@ def estimate_finetune(profile: Profile, workload: Finetune, choice: Choice, memo
 def peak_finetune(p: Profile, w: Finetune, c: Choice) -> int:
     """The predicted peak of ``c`` for fine-tuning: the weights as for generation, the adapters with
     their gradients and AdamW state, and what autograd saves: every layer's, for every micro-batch
-    of the wave, kept in memory; or, offloaded, the last layer of each micro-batch and the write
-    window (two layers' worth), as the offloader's bound gives it; plus one micro-batch's transient."""
+    of the wave, kept in memory; or, offloaded, the offloader's bound (:func:`gds_offload.attach`);
+    plus one micro-batch's transient in a layer and every micro-batch's head and loss."""
     seqs = min(w.global_batch, c.in_flight)
     weights = p.base_nbytes + c.resident_layers * p.layer_nbytes + min(c.slots, p.layers - c.resident_layers) * p.layer_nbytes
     layer_saved = c.micro_batch * w.seq * p.saved_nbytes
     if c.offload_activations:
-        saved = c.per_load * layer_saved + 2 * layer_saved
+        # attach()'s documented bound, K + max(W, L) + 2L: the last layer of each micro-batch kept,
+        # the write window (at least 64 MiB), and for each micro-batch's backward the layer read and the one read ahead.
+        saved = c.per_load * layer_saved + max(_WRITE_WINDOW_MIN, 2 * layer_saved) + c.per_load * 2 * layer_saved
     else:
         saved = seqs * w.seq * p.saved_nbytes * p.layers
-    logits = c.micro_batch * w.seq * p.logits_nbytes * 3  # logits, their float copy in the loss, and its gradient
+    # Every micro-batch of a wave reaches the head before the first one's backward leaves it (they run as a team),
+    # so each holds the head's and the loss's memory at once.
+    head = p.head_train_nbytes or 3 * p.logits_nbytes  # measured; or logits, their float copy in the loss, and its gradient
+    logits = c.per_load * c.micro_batch * w.seq * head
     return int(weights + 4 * p.trainable_nbytes + saved + p.train_transient_nbytes * c.micro_batch * w.seq + logits)

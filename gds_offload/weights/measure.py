@@ -31,6 +31,7 @@ import torch
 
 from gds_offload.errors import ConfigError
 from gds_offload.units import parse_bytes
+from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
 from gds_offload.weights.planner import Plan, check_feasible, choose
@@ -267,6 +268,9 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
         transient.append(max(mem - sum(saved.values()), 0) / tokens)
         lm.model.zero_grad(set_to_none=True)
     stop.remove()
+    assert hidden is not None
+    _emit("progress", what=f"the head and loss of 1 x {seq} tokens, forward and backward")
+    head_train = _head_train_peak(lm.model, hidden[:1], vocab, device, reset, peak)
     forward, backward = forward[1:], backward[1:]
     head = _time_head(call, cfg, dtype, device, sizes=[64, 256])
     heads = text.num_attention_heads
@@ -282,9 +286,28 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
         "prefill_transient_nbytes": 0.0, "decode_transient_nbytes": 0.0,
         "train_forward": vars(Fit.through(forward)), "train_backward": vars(Fit.through(backward)),
         "saved_nbytes": max(saved_per[1:]), "train_transient_nbytes": max(transient[1:]), "trainable_nbytes": trainable,
-        "measured": {"forward": forward, "backward": backward, "saved_per_token": saved_per, "transient_per_token": transient,
+        "head_train_nbytes": head_train, "measured": {"forward": forward, "backward": backward, "saved_per_token": saved_per, "transient_per_token": transient,
                      "head": head, "read": [nbytes, seconds]},
     }  # fmt: skip
+
+
+def _head_train_peak(model: Any, hidden: torch.Tensor, vocab: int, device: torch.device, reset: Callable[[], None],
+                     peak: Callable[[], int]) -> float:  # fmt: skip
+    """The peak of one micro-batch's head and loss (the model's own ``loss_function``) over their
+    forward and backward, per token: what each micro-batch of a wave holds there at once."""
+    base, _ = unwrap(model)
+    x = hidden.detach().clone().requires_grad_(True)
+    labels = torch.randint(0, vocab, x.shape[:2], device=device)
+    before = _rss("VmRSS") if device.type == "cpu" else torch.cuda.memory_allocated(device)
+    reset()
+    logits = model.get_output_embeddings()(x)
+    loss_function = getattr(base, "loss_function", None)
+    if callable(loss_function):
+        loss = loss_function(logits=logits, labels=labels, vocab_size=vocab)
+    else:  # older transformers: the causal LM loss as it computed it
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+    loss.backward()
+    return max(peak() - before, 0) / x.shape[1]
 
 
 def _stop_with(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -41,8 +41,9 @@ at a time, plus the writes in flight (four buffers at most).
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +156,10 @@ class StreamedTrainer:
         self._pending = _Pending(self._gens, self._engine, micro_batches=len(batches) if max_norm is None else None)
         try:
             losses = self._lm.accumulate(batches, per_load=per_load, loss=loss, seed=seed)
-            if max_norm is not None:
-                self._clip(float(max_norm))
-            self._finish()
+            with self._no_autocast():  # as resident AMP: clipping and the update outside autocast
+                if max_norm is not None:
+                    self._clip(float(max_norm))
+                self._finish()
         except BaseException:
             if not self._pending.committed:
                 with held():
@@ -189,7 +191,8 @@ class StreamedTrainer:
             acc[name] = grad
         p = self._pending
         if p.count(pos, name) and all(p.counts[pos].get(n, 0) == p.micro_batches for n in self._params_of[pos]):
-            self._update_layer(pos, self._streamed[pos], p.files, p.writer())  # every micro-batch's gradient is in
+            with self._no_autocast():  # backward runs inside the caller's autocast; the update never does
+                self._update_layer(pos, self._streamed[pos], p.files, p.writer())  # every micro-batch's gradient is in
             p.done.add(pos)
             del self._grads[pos]
 
@@ -255,6 +258,13 @@ class StreamedTrainer:
         writer.write_group(g, buf)
 
     # -- helpers ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _no_autocast(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for kind in dict.fromkeys(("cpu", self._lm.device.type)):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+            yield
+
     def _build(self, params: list[nn.Parameter], *, what: str) -> torch.optim.Optimizer:
         opt = self._factory(params)
         if not isinstance(opt, torch.optim.Optimizer):

@@ -111,6 +111,9 @@ class Profile:
     saved_nbytes: float = 0.0  #: what autograd saves per token and layer
     train_transient_nbytes: float = 0.0  #: one micro-batch's peak inside a layer's forward or backward, per token
     trainable_nbytes: int = 0  #: the adapters (their gradients and AdamW state are three times more)
+    #: The head and loss of one micro-batch in training, per token: the peak over their forward and
+    #: backward (logits, what the loss saves, their gradients). 0: the older estimate, three logits.
+    head_train_nbytes: float = 0.0
     measured: dict[str, Any] = field(default_factory=dict, compare=False)  #: raw points, for the record
 
     def scaled(self, compute: float) -> Profile:
