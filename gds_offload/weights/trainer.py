@@ -28,6 +28,13 @@ Exact: the per-parameter update of ``torch.optim``'s single-tensor and foreach p
 depend on which other parameters share the optimizer, so weights, optimizer state and losses
 are ``torch.equal`` to resident training with the same optimizer on the same micro-batches.
 
+Mixed precision (bf16 compute over fp32 masters): call ``step`` inside ``torch.autocast(device_type,
+dtype=torch.bfloat16)``, as resident AMP training runs forward and backward there. The store's
+fp32 weights are the masters, autocast casts them for its matmuls, gradients and optimizer state
+stay fp32, and clipping and every update run outside autocast (the trainer leaves it, also when a
+layer's update runs inside backward), so the result is ``torch.equal`` to resident training whose
+``loss.backward()`` runs under the same autocast and whose ``optimizer.step()`` runs after it.
+
 Without clipping, a layer is updated in backward, as soon as the last micro-batch's gradient
 of its last parameter is in (on the thread running backward), so one layer's gradient is held
 at a time, plus the writes in flight (four buffers at most).
