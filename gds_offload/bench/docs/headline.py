@@ -85,12 +85,23 @@ def _finetune(doc: dict[str, Any]) -> str | None:
     return "; ".join(parts + [f"{x}: failed" for x in failed]) or None
 
 
+def _ended(row: dict[str, Any]) -> str:
+    """How a ``bench-finetune --full`` row ended: its rate, or its first error up to the detail."""
+    if row["tokens_per_s"]:
+        return f"{row['tokens_per_s']:.3g} train tok/s"
+    errors = row.get("errors") or []
+    return errors[0].split(" (")[0] if errors else "failed"
+
+
 def _full(doc: dict[str, Any]) -> str | None:
     """``bench-finetune --full``: streamed-drive against resident and against DeepSpeed ZeRO-Infinity, at the largest micro-batch."""
     rows = {(r["mode"], r["batch"]): r for r in doc["summary"]["full"] if r["tokens_per_s"]}
     drive = [r for (mode, _), r in rows.items() if mode == "drive"]
     if not drive:
-        return "streamed-drive: failed" if any(r["mode"] == "drive" for r in doc["summary"]["full"]) else None
+        # A run of the peers alone (``--modes deepspeed-infinity``) still says how each ended.
+        labels = {"drive": "streamed-drive", "resident": "resident", "deepspeed-infinity": "DeepSpeed ZeRO-Infinity"}
+        ended = {r["mode"]: _ended(r) for r in doc["summary"]["full"]}
+        return ", ".join(f"{labels.get(m, m)}: {how}" for m, how in ended.items()) or None
     r = max(drive, key=lambda r: r["batch"])
     parts = [f"streamed-drive {'exact' if r['matches_resident'] else 'NOT exact'}"]
     for mode, label in (("resident", "resident's"), ("deepspeed-infinity", "DeepSpeed ZeRO-Infinity's")):

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gds_offload.bench.raw_io import page_cache_bytes
 from gds_offload.io.layout import ALIGN
@@ -128,25 +128,51 @@ def _window(window_bytes: int, depth: int, chunk_bytes: int) -> memoryview:
     return memoryview(map_anonymous(max(window_bytes // chunk_bytes, depth) * chunk_bytes))
 
 
-def _read_pass(fd: int, size: int, depth: int, chunk_bytes: int, window: memoryview, stop: threading.Event | None = None) -> int:
+def _read_pass(fd: int, size: int, depth: int, chunk_bytes: int, window: memoryview, stop: threading.Event | None = None,
+               on_read: Callable[[int], None] | None = None) -> int:  # fmt: skip
     """Read ``fd``'s first ``size`` bytes in ``chunk_bytes`` requests, ``depth`` in flight, into
-    successive chunks of ``window``; bytes read. With ``stop``, requests after it is set read nothing."""
+    successive chunks of ``window``; bytes read. With ``stop``, requests after it is set read nothing;
+    ``on_read(nbytes)`` runs on the reading thread after each request."""
 
     def read(off: int) -> int:
         if stop is not None and stop.is_set():
             return 0
         at = off % len(window)
-        return os.preadv(fd, [window[at : at + min(chunk_bytes, size - off)]], off)
+        n = os.preadv(fd, [window[at : at + min(chunk_bytes, size - off)]], off)
+        if on_read is not None:
+            on_read(n)
+        return n
 
     with ThreadPoolExecutor(depth, thread_name_prefix="gds_offload-raw") as pool:
         return sum(pool.map(read, range(0, size, chunk_bytes)))
 
 
-def _read_until(stop: threading.Event, moved: list[int], fd: int, size: int, depth: int, chunk_bytes: int) -> None:
-    """Pass over ``fd`` again and again until ``stop``; ``moved[0]`` counts the bytes read."""
-    window = _window(RAW_WINDOW_BYTES, depth, chunk_bytes)
-    while not stop.is_set():
-        moved[0] += _read_pass(fd, size, depth, chunk_bytes, window, stop)
+class _Reads:
+    """Passes over ``fd`` on a thread until :meth:`stop`; counts bytes as each request lands."""
+
+    def __init__(self, fd: int, size: int, depth: int, chunk_bytes: int) -> None:
+        self._stop, self.flowing = threading.Event(), threading.Event()
+        self._lock, self.moved = threading.Lock(), 0
+        window = _window(RAW_WINDOW_BYTES, depth, chunk_bytes)
+        self._thread = threading.Thread(target=self._run, args=(fd, size, depth, chunk_bytes, window), name="gds_offload-interference")
+
+    def _landed(self, nbytes: int) -> None:
+        with self._lock:
+            self.moved += nbytes
+        self.flowing.set()
+
+    def _run(self, fd: int, size: int, depth: int, chunk_bytes: int, window: memoryview) -> None:
+        while not self._stop.is_set():
+            _read_pass(fd, size, depth, chunk_bytes, window, self._stop, self._landed)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start reading; return once the first request has landed, so what is timed next runs beside reads."""
+        self._thread.start()
+        self.flowing.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @dataclass(frozen=True)
@@ -197,14 +223,11 @@ def read_interference(path: Path, *, rows: int, hidden: int, intermediate: int, 
         size = os.fstat(fd).st_size // ALIGN * ALIGN
         for _ in range(rounds):
             alone.append(compute())
-            stop, moved = threading.Event(), [0]
-            reader = threading.Thread(target=_read_until, args=(stop, moved, fd, size, depth, chunk_bytes), name="gds_offload-interference")
-            t = time.perf_counter()
-            reader.start()
+            reads, t = _Reads(fd, size, depth, chunk_bytes), time.perf_counter()
+            reads.start()  # compute starts once reads are flowing, however short it is
             busy.append(compute())
-            stop.set()
-            reader.join()
-            rates.append(moved[0] / (time.perf_counter() - t))
+            reads.stop()
+            rates.append(reads.moved / (time.perf_counter() - t))
     finally:
         os.close(fd)
     return ReadInterference(statistics.median(alone), statistics.median(busy), statistics.median(rates), depth, torch.get_num_threads())
