@@ -311,3 +311,24 @@ def test_bench_weights_on_cuda_reads_as_deep_as_the_engine_and_skips_the_cpu_pro
     doc = json.loads(out.read_text())
     assert rc == 0 and {p["depth"] for p in doc["raw_read"] if p["when"] == "before"} == {2, DEFAULT_THREADS}
     assert "skipped" in doc["interference"] and "into host memory" in doc["about"]
+
+
+def test_deepspeed_infinity_swaps_one_layer_at_a_time() -> None:
+    """ZeRO-Infinity's sub-groups hold one decoder layer: with DeepSpeed's default (1e9 elements) the
+    benchmark model is one sub-group, and the optimizer's NVMe swapper pins buffers of all of it."""
+    import torch
+    import transformers
+
+    from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY
+    from gds_offload.bench.weights.full import FullSpec
+    from gds_offload.bench.weights.full_child import deepspeed_infinity_config, layer_numel
+
+    for shape in (DEFAULT_MODEL, TINY):
+        cfg = shape.config()
+        with torch.device("meta"):
+            layer = transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0]
+        assert layer_numel(cfg) == sum(p.numel() for p in layer.parameters())
+        spec = FullSpec(mode="deepspeed-infinity", checkpoint="c", store="s", workdir="w")
+        ds = deepspeed_infinity_config(cfg, Path("/nvme"), spec, 1)
+        assert ds["zero_optimization"]["sub_group_size"] == layer_numel(cfg)
+        assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"

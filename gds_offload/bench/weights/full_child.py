@@ -145,12 +145,26 @@ def _drive(spec: FullSpec) -> tuple[_Step, Callable[[], str], Callable[[], None]
     return step, weights, close, {"slots": s.slots, "per_load": spec.per_load, "streamed_layers": len(s.streamed_layers)}
 
 
+def layer_numel(model_config: Any) -> int:
+    """The elements of one Llama-shaped decoder layer (attention, MLP, two norms)."""
+    h, inter = model_config.hidden_size, model_config.intermediate_size
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or h // heads
+    kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
+    return h * heads * head_dim * 2 + 2 * h * kv + 3 * h * inter + 2 * h
+
+
 def deepspeed_infinity_config(model_config: Any, nvme: Path, spec: FullSpec, batch: int) -> dict[str, Any]:
     """ZeRO-Infinity: :func:`~gds_offload.bench.weights.peer_loaders.deepspeed_config`'s stage 3 with
     parameters on NVMe, plus the optimizer state on NVMe and DeepSpeed's AdamW with the same
     hyperparameters as the other modes."""
     ds = deepspeed_config(model_config, nvme)
     ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True, "buffer_count": 4}
+    # DeepSpeed's default sub-group (1e9 elements) holds this whole model: the optimizer's NVMe swapper
+    # then pins buffer_count buffers and a gradient buffer of every parameter (about 5 x the fp32
+    # weights, over 20 GiB here). Sub-groups of one decoder layer's elements, as DeepSpeed's docs
+    # advise for NVMe offload, swap a layer at a time, as the streamed trainer does.
+    ds["zero_optimization"]["sub_group_size"] = layer_numel(model_config)
     ds |= {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": spec.micro_batches,
            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8}}}  # fmt: skip
     return ds
