@@ -197,6 +197,8 @@ def test_refusals_come_before_anything_is_written(ckpt: Path, store: Path) -> No
             StreamedTrainer(lm, lambda params: list(params))  # type: ignore[arg-type,return-value]
         with pytest.raises(ConfigError, match="made 2 parameter groups"):
             StreamedTrainer(lm, lambda ps: torch.optim.SGD([{"params": ps[:1]}, {"params": ps[1:]}], lr=0.1))
+        with pytest.raises(ConfigError, match="is LBFGS, whose step needs the whole model's loss"):
+            StreamedTrainer(lm, lambda ps: torch.optim.LBFGS(ps))
         with StreamedTrainer(lm, adamw) as trainer:
             with pytest.raises(ConfigError, match="max_norm=-1: give a positive number"):
                 trainer.step(_batches(1)[0], max_norm=-1)

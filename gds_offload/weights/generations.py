@@ -19,6 +19,7 @@ files are on the drive): never a mix. Reading a step checks every checksum again
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,9 +35,9 @@ from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
 from gds_offload.weights.manifest import DTYPE_SIZES, TENSOR_ALIGN, FileEntry, GroupEntry, Manifest
 from gds_offload.weights.outdir import write_small_file
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer, read_group
-from gds_offload.weights.trust import check_name, create_file, make_dirs, open_dir, read_file
+from gds_offload.weights.trust import check_name, create_file, make_dirs, open_dir, open_file, read_file
 
-__all__ = ["STEP_NAME", "StateEntry", "Step", "Generations", "StepWriter", "pack_state", "unpack_state"]
+__all__ = ["STEP_NAME", "GroupRead", "StateEntry", "StateRead", "Step", "Generations", "StepWriter", "pack_state", "unpack_state"]
 
 STEP_NAME = "step.json"
 _STEP_LIMIT = 64 << 20
@@ -84,12 +85,99 @@ def pack_state(entries: list[tuple[str, str, torch.Tensor]]) -> tuple[tuple[Stat
 
 
 def unpack_state(layout: tuple[StateEntry, ...], buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors :func:`pack_state` packed, as ``{param: {key: tensor}}`` (copies, owning their memory)."""
+    """The tensors :func:`pack_state` packed, as ``{param: {key: tensor}}``: views of ``buf`` (which
+    they keep alive), each at a :data:`TENSOR_ALIGN`-byte offset."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for e in layout:
-        t = buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape).clone()
+        t = buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
         out.setdefault(e.param, {})[e.key] = t
     return out
+
+
+@dataclass(eq=False)
+class GroupRead:
+    """A weight group being read (:meth:`Generations.start_group`)."""
+
+    future: IOFuture
+    buf: torch.Tensor
+    nbytes: int
+    xxh3: int
+    where: str
+
+    def wait(self) -> torch.Tensor:
+        """The group's bytes (a page-aligned buffer of its padded size).
+
+        Raises:
+            StoreCorruptError: the bytes' xxh3-64 is not the step's.
+            OffloadError: the read failed.
+        """
+        self.future.wait()
+        got = checksum(self.buf[: self.nbytes])
+        if got != self.xxh3:
+            raise StoreCorruptError(f"{self.where} is corrupt: xxh3-64 {got:016x}, expected {self.xxh3:016x}; "
+                                    f"restore the training directory or start again from the store")  # fmt: skip
+        return self.buf
+
+    def close(self) -> None:
+        """Wait for the read to land (its buffer is in use until then), whatever it gave."""
+        with contextlib.suppress(Exception):
+            self.future.wait()
+
+
+@dataclass(eq=False)
+class StateRead:
+    """A state file being read (:meth:`Generations.start_state`); :meth:`wait` once."""
+
+    future: IOFuture | None
+    buf: torch.Tensor | None
+    layout: tuple[StateEntry, ...]
+    end: int
+    xxh3: int
+    path: str
+    fd: int = -1
+
+    def wait(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state, ``{param: {key: tensor}}`` (views of the read buffer, which they keep alive).
+
+        Raises:
+            StoreCorruptError: the bytes' xxh3-64 is not the step's.
+            OffloadError: the read failed.
+        """
+        if self.future is None or self.buf is None:
+            return {}
+        try:
+            self.future.wait()
+        finally:
+            self.close()
+        got = checksum(self.buf[: self.end])
+        if got != self.xxh3:
+            raise StoreCorruptError(f"{self.path} is corrupt: xxh3-64 {got:016x}, expected {self.xxh3:016x}; "
+                                    f"restore the training directory or start again from the store")  # fmt: skip
+        return unpack_state(self.layout, self.buf)
+
+    def holds(self, entries: list[tuple[str, str, torch.Tensor]]) -> bool:
+        """``entries`` (``(param, key, tensor)``) are this read's tensors, in its layout, where it put
+        them: an optimizer that updated the state in place, whose buffer is then the new state file."""
+        if self.buf is None or len(entries) != len(self.layout):
+            return False
+        base = self.buf.data_ptr()
+        return all(
+            (p, k) == (e.param, e.key) and str(t.dtype).removeprefix("torch.") == e.dtype and tuple(t.shape) == e.shape
+            and t.is_contiguous() and t.data_ptr() == base + e.offset
+            for e, (p, k, t) in zip(self.layout, entries)
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Wait for the read (its buffer is in use until it lands) and close the file; idempotent."""
+        if self.fd < 0:
+            return
+        try:
+            if self.future is not None:
+                with contextlib.suppress(Exception):
+                    self.future.wait()
+        finally:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Generations:
@@ -113,35 +201,55 @@ class Generations:
 
     def read_group(self, engine: Engine, files: StoreFiles, group: GroupEntry) -> torch.Tensor:
         """``group``'s bytes in the current step (a page-aligned host buffer of its padded size), checked."""
-        buf = aligned_host_buffer(group.padded_nbytes)
-        read_group(engine, files, group, buf).wait()
-        got, want = checksum(buf[: group.nbytes]), self.group_xxh3(group)
-        if got != want:
-            raise StoreCorruptError(f"{group.describe()} in {self.root} (step {self.current.step}) is corrupt: xxh3-64 {got:016x}, "
-                                    f"expected {want:016x}; restore the training directory or start again from the store")  # fmt: skip
-        return buf
+        return self.start_group(engine, files, group).wait()
 
-    def read_state(self, group: str) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer state of ``group``'s parameters in the current step (``{}`` before the first)."""
+    def start_group(self, engine: Engine, files: StoreFiles, group: GroupEntry) -> GroupRead:
+        """Start reading ``group``'s bytes in the current step from ``files`` (open until it lands);
+        :meth:`GroupRead.wait` checks them."""
+        buf = aligned_host_buffer(group.padded_nbytes)
+        where = f"{group.describe()} in {self.root} (step {self.current.step})"
+        return GroupRead(read_group(engine, files, group, buf), buf, group.nbytes, self.group_xxh3(group), where)
+
+    def read_state(self, engine: Engine, group: str) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state of ``group``'s parameters in the current step (``{}`` before the first), checked."""
+        return self.start_state(engine, group).wait()
+
+    def start_state(self, engine: Engine, group: str) -> StateRead:
+        """Start reading ``group``'s state file of the current step through ``engine`` (``O_DIRECT``
+        where the filesystem allows) into a page-aligned buffer; :meth:`StateRead.wait` checks it.
+
+        Raises:
+            StoreFormatError: the file is missing, short, or not the size a state file is written at.
+            StoreTrustError: see :func:`~gds_offload.weights.trust.open_file`.
+        """
         s = self.current
         layout = s.states.get(group)
         if s.generation is None or layout is None:
-            return {}
+            return StateRead(None, None, (), 0, 0, "")
         name = _state_name(s.generation, group)
+        path = self.root / name
         dfd = open_dir(self.root)
         try:
-            data = read_file(dfd, self.root, name, limit=1 << 40)
+            opened = open_file(dfd, self.root, name, direct=True)
         finally:
             os.close(dfd)
+        if opened is None:
+            raise StoreFormatError(f"{path} is missing: the training directory is damaged; restore it or start again")
+        fd, direct = opened
         end = max((e.offset + e.nbytes for e in layout), default=0)
-        if data is None or len(data) < end:
-            raise StoreFormatError(f"{self.root / name} is missing or short: the training directory is damaged; restore it or start again")
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        got = checksum(buf[:end])
-        if got != s.state_xxh3.get(group):
-            raise StoreCorruptError(f"{self.root / name} is corrupt: xxh3-64 {got:016x}, expected {s.state_xxh3.get(group, 0):016x}; "
-                                    f"restore the training directory or start again from the store")  # fmt: skip
-        return unpack_state(layout, buf)
+        size = os.fstat(fd).st_size
+        if size < end or size % ALIGN:  # written whole pages at a time (StepWriter.write_state)
+            os.close(fd)
+            raise StoreFormatError(f"{path} has {size} bytes, a state file of {end} bytes of data is written as whole pages: "
+                                   "the training directory is damaged; restore it or start again")  # fmt: skip
+        f = File(id=-1, path=path, fd=fd, direct=direct, size=size, unnamed=False, what="training state file")
+        buf = aligned_host_buffer(size)
+        try:
+            future = engine.read(buf[:size], Slot(f, 0, size)) if size else IOFuture.completed(0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return StateRead(future, buf, layout, end, s.state_xxh3.get(group, 0), str(path), fd)
 
     def verify(self, engine: Engine) -> tuple[int, int]:
         """Re-read the current step's weight groups and state files and check every checksum;
@@ -153,7 +261,7 @@ class Generations:
         finally:
             files.close()
         for name in self.current.states:
-            self.read_state(name)
+            self.read_state(engine, name)
         return len(self.manifest.groups), len(self.current.states)
 
     # -- writing ------------------------------------------------------------------------------
@@ -252,9 +360,13 @@ class StepWriter:
         self._pending.append((self._engine.write(buf[: group.padded_nbytes], slot), buf))
         self._settle()
 
-    def write_state(self, group: str, entries: list[tuple[str, str, torch.Tensor]]) -> None:
-        """Write the optimizer state of ``group``'s parameters (``(param, key, tensor)``)."""
-        layout, buf, nbytes = pack_state(entries)
+    def write_state(self, group: str, entries: list[tuple[str, str, torch.Tensor]], *, read: StateRead | None = None) -> None:
+        """Write the optimizer state of ``group``'s parameters (``(param, key, tensor)``): from the
+        buffer of ``read`` (the state read for this update) when it :meth:`~StateRead.holds` them, else packed anew."""
+        if read is not None and read.buf is not None and read.holds(entries):
+            layout, buf, nbytes = read.layout, read.buf, read.end
+        else:
+            layout, buf, nbytes = pack_state(entries)
         self._states[group], self._state_xxh3[group] = layout, checksum(buf[:nbytes])
         dfd = open_dir(self._gens.root)
         try:

@@ -37,20 +37,24 @@ layer's update runs inside backward), so the result is ``torch.equal`` to reside
 
 Without clipping, a layer is updated in backward, as soon as the last micro-batch's gradient
 of its last parameter is in (on the thread running backward), so one layer's gradient is held
-at a time, plus the writes in flight (four buffers at most).
+at a time, plus the writes in flight (four buffers at most). The next layer's weights and state
+are read while a layer updates (one more layer's of each in memory), and a state the optimizer
+updated in place is written from the buffer it was read into (no copy).
 
 .. warning:: Costs of this version
    With ``max_norm`` every streamed layer's gradient is held in host memory until the norm is
-   known (the streamed weights' size); the update does not yet overlap the backward of the layer
-   below (it runs between them); each layer is read once more for its update. A gradient
-   checkpointed model, LoRA adapters (use :meth:`StreamedModel.accumulate` for those),
-   ``verify=True`` and ``tier="host"`` are refused.
+   known (the streamed weights' size); the update's compute runs between the backward of its
+   layer and the one below (only its reads and writes overlap them); each layer is read once
+   more for its update. A gradient checkpointed model, LoRA adapters (use
+   :meth:`StreamedModel.accumulate` for those), ``verify=True``, ``tier="host"`` and optimizers
+   whose step needs every parameter at once (LBFGS) are refused.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +67,7 @@ from gds_offload.io.factory import make_engine
 from gds_offload.weights.accumulate import Loss
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.bind import view_of
-from gds_offload.weights.generations import Generations, StepWriter
+from gds_offload.weights.generations import Generations, GroupRead, StateRead, StepWriter
 from gds_offload.weights.interrupts import held
 from gds_offload.weights.manifest import GroupEntry
 from gds_offload.weights.storefile import StoreFiles, aligned_host_buffer
@@ -199,7 +203,8 @@ class StreamedTrainer:
         p = self._pending
         if p.count(pos, name) and all(p.counts[pos].get(n, 0) == p.micro_batches for n in self._params_of[pos]):
             with self._no_autocast():  # backward runs inside the caller's autocast; the update never does
-                self._update_layer(pos, self._streamed[pos], p.files, p.writer())  # every micro-batch's gradient is in
+                # Every micro-batch's gradient is in; backward reaches the layer below next.
+                self._update_layer(pos, self._streamed[pos], p.files, p.writer(), after=pos - 1 if pos > 0 else None)
             p.done.add(pos)
             del self._grads[pos]
 
@@ -228,9 +233,9 @@ class StreamedTrainer:
     def _finish(self) -> None:
         p = self._pending
         writer = p.writer()
-        for pos, g in enumerate(self._streamed):
-            if pos not in p.done:
-                self._update_layer(pos, g, p.files, writer)
+        left = [pos for pos in range(len(self._streamed)) if pos not in p.done]
+        for pos, after in zip(left, [*left[1:], None]):
+            self._update_layer(pos, self._streamed[pos], p.files, writer, after=after)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for g in self._in_memory:
@@ -241,8 +246,16 @@ class StreamedTrainer:
             p.committed = True
             self._lm.use_files(self._gens.files(step)).close()
 
-    def _update_layer(self, pos: int, g: GroupEntry, files: StoreFiles, writer: StepWriter) -> None:
-        buf = self._gens.read_group(self._engine, files, g)
+    def _update_layer(self, pos: int, g: GroupEntry, files: StoreFiles, writer: StepWriter, *, after: int | None) -> None:
+        """Update streamed layer ``pos``; the reads of layer ``after`` (the next to update) start once
+        this one's have landed, so they overlap this update and the backward before the next."""
+        read = self._pending.reads.pop(pos, None) or self._start_read(g, files)
+        try:
+            buf, stored = read.weights.wait(), read.state.wait()
+        finally:
+            read.close()
+        if after is not None and after not in self._pending.reads:
+            self._pending.reads[after] = self._start_read(self._streamed[after], files)
         binding, dev = self._lm.binding, self._lm.device
         views = {n: view_of(buf, binding.entries[n], g.offset) for n in binding.by_group.get(g.name, []) if binding.targets[n][0].is_param}
         # The update runs where the model computes (the resident one's optimizer does too): on a GPU a copy of the layer there.
@@ -254,15 +267,24 @@ class StreamedTrainer:
         opt = self._build(list(params.values()), what=f"layer {g.layer} ({g.name})")
         hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         opt.param_groups[0].update(hyper)
-        for n, state in self._gens.read_state(g.name).items():
+        for n, state in stored.items():
             if n in params:
                 opt.state[params[n]] = {k: v.to(dev) if dev.type != "cpu" and k != "step" else v for k, v in state.items()}
         opt.step()
         if dev.type != "cpu":
             for n, v in views.items():
                 v.copy_(params[n].detach())
-        writer.write_state(g.name, [(n, k, t.cpu()) for n, k, t in self._state_entries(opt, params)])
+        # Updated in place, the state is still where it was read: that buffer is written as is.
+        writer.write_state(g.name, [(n, k, t.cpu()) for n, k, t in self._state_entries(opt, params)], read=read.state)
         writer.write_group(g, buf)
+
+    def _start_read(self, g: GroupEntry, files: StoreFiles) -> _LayerRead:
+        weights = self._gens.start_group(self._engine, files, g)
+        try:
+            return _LayerRead(weights, self._gens.start_state(self._engine, g.name))
+        except BaseException:
+            weights.close()
+            raise
 
     # -- helpers ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -276,6 +298,10 @@ class StreamedTrainer:
         opt = self._factory(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"optimizer(params) for {what} returned a {type(opt).__name__}, not a torch.optim.Optimizer")
+        if isinstance(opt, torch.optim.LBFGS):
+            # Its step re-evaluates the loss through a closure and its history spans every parameter at once.
+            raise ConfigError(f"optimizer(params) for {what} is LBFGS, whose step needs the whole model's loss and gradients at once; "
+                              "the trainer applies the optimizer layer by layer: use a per-parameter one (AdamW, Adam, SGD, ...)")
         if len(opt.param_groups) != 1:
             raise ConfigError(f"optimizer(params) for {what} made {len(opt.param_groups)} parameter groups; the trainer applies it "
                               "per layer and needs exactly one")  # fmt: skip
@@ -324,7 +350,7 @@ class StreamedTrainer:
                         self._resident[n].copy_(view_of(buf, self._lm.binding.entries[n], g.offset))
         finally:
             files.close()
-        for n, state in self._gens.read_state(_RESIDENT).items():
+        for n, state in self._gens.read_state(self._engine, _RESIDENT).items():
             p = self._resident.get(n)
             if p is not None:
                 self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
@@ -338,7 +364,20 @@ class StreamedTrainer:
         entry = self._lm.binding.entries.get(name)
         if entry is None:
             raise ConfigError(f"{name!r} is not a tensor of this model's store")
-        return self._gens.read_state(entry.group).get(name, {})
+        return self._gens.read_state(self._engine, entry.group).get(name, {})
+
+
+@dataclass(eq=False)
+class _LayerRead:
+    """A streamed layer's weights and optimizer state of the current step, being read for its update."""
+
+    weights: GroupRead
+    state: StateRead
+
+    def close(self) -> None:
+        """Wait for both reads to land (their buffers are in use until then) and close the state file."""
+        self.weights.close()
+        self.state.close()
 
 
 class _Pending:
@@ -352,6 +391,8 @@ class _Pending:
         self.committed = False
         self._files: StoreFiles | None = None
         self._writer: StepWriter | None = None
+        #: Layers whose reads for their update started ahead of it (closed before the files they read).
+        self.reads: dict[int, _LayerRead] = {}
 
     @property
     def files(self) -> StoreFiles:
@@ -373,6 +414,9 @@ class _Pending:
         return True
 
     def close(self) -> None:
+        for read in self.reads.values():
+            read.close()
+        self.reads.clear()
         if self._writer is not None and not self.committed:
             self._writer.close()  # abandoned: step.json still names the step before
         if self._files is not None:
