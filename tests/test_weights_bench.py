@@ -259,6 +259,10 @@ def test_bench_finetune_full_tiny_end_to_end(tmp_path: Path) -> None:
     assert drive["matches_resident"] is True and drive["losses"] == resident["losses"] and drive["weights_xxh3"] == resident["weights_xxh3"]
     assert drive["written_bytes_per_step"] >= 3 * streamed  # the next generation: weights, exp_avg, exp_avg_sq of every layer
     assert doc["spec"]["minimum_read_bytes_per_step"] == 5 * streamed
+    targets = {t["target"].split(" (")[0]: t for t in doc["targets"]}
+    assert targets["losses and final weights equal resident's"]["value"] == 1.0
+    assert targets["streamed / resident train tok/s"]["value"] == drive["tokens_per_s"] / resident["tokens_per_s"]
+    assert (targets["streamed / DeepSpeed ZeRO-Infinity train tok/s"]["value"] is None) == (not ds)
     if ds:
         assert rows["deepspeed-infinity"]["status"] == "ok", rows["deepspeed-infinity"]["error"]
         assert rows["deepspeed-infinity"]["settings"]["optimizer"] == "DeepSpeedCPUAdam"

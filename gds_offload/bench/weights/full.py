@@ -28,7 +28,7 @@ from gds_offload.bench.weights.peer_loaders import build_deepspeed_ops
 from gds_offload.units import format_bytes
 from gds_offload.weights.manifest import read_manifest
 
-__all__ = ["FULL_MODES", "FULL_CAPPED", "FullSpec", "FullResult", "full_document", "full_table", "run_full_bench"]
+__all__ = ["FULL_MODES", "FULL_CAPPED", "FullSpec", "FullResult", "full_document", "full_table", "full_targets", "run_full_bench"]
 
 FULL_MODES = ("resident", "drive", "deepspeed-infinity")
 #: The modes run under the memory cap.
@@ -141,7 +141,8 @@ def full_table(report: dict[str, Any]) -> dict[str, Any]:
     for r in rows:
         label = _LABELS.get(r["mode"], r["mode"])
         if not r["rounds_ok"]:
-            out.append([label, str(r["batch"]), "failed", "-", "-", "-", "-", "-", "-", "; ".join(r["errors"])[:200]])
+            # The first clause of each error (the child's last lines of output stay in the result file).
+            out.append([label, str(r["batch"]), "failed", "-", "-", "-", "-", "-", "-", "; ".join(e.split(" (")[0] for e in r["errors"])[:200]])
             continue
         x = r["tokens_per_s"] / resident[r["batch"]] if resident.get(r["batch"]) else None
         peak = r["cgroup_peak_bytes"] or r["peak_rss_bytes"]
@@ -182,5 +183,33 @@ def full_document(report: dict[str, Any], *, started: float, workdir: Path, comm
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,
         "table": full_table(report),
+        "targets": full_targets(report),
         **report,
     }
+
+
+def full_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 31's targets at the largest micro-batch streamed-drive ran, from the rows of ``report``
+    (``met: None``, "not run", where a mode they compare with did not finish)."""
+    rows = {(r["mode"], r["batch"]): r for r in report["summary"]["full"]}
+    ok = [b for (mode, b), r in rows.items() if mode == "drive" and r["rounds_ok"]]
+    if not ok:
+        return []
+    b = max(ok)
+    drive, spec = rows[("drive", b)], report["spec"]
+
+    def ratio(mode: str) -> float | None:
+        other = rows.get((mode, b))
+        return drive["tokens_per_s"] / other["tokens_per_s"] if other and other["rounds_ok"] and other["tokens_per_s"] else None
+
+    moved = (drive["read_bytes_per_step"] or 0) + (drive["written_bytes_per_step"] or 0)
+    minimum = spec["minimum_read_bytes_per_step"] + spec["minimum_written_bytes_per_step"]
+    ds = rows.get(("deepspeed-infinity", b))
+    ended = f"; DeepSpeed: {ds['errors'][0].split(' (')[0]}" if ds and not ds["rounds_ok"] and ds["errors"] else ""
+    values = (
+        (f"streamed / DeepSpeed ZeRO-Infinity train tok/s (same micro-batches and cap{ended})", 1.5, ratio("deepspeed-infinity")),
+        ("streamed / resident train tok/s (same micro-batches)", 0.5, ratio("resident")),
+        ("bytes moved per step within 1.2x the minimum (1.2 x minimum / moved)", 1.0, 1.2 * minimum / moved if moved else None),
+        ("losses and final weights equal resident's (1: bit for bit)", 1.0, None if drive["matches_resident"] is None else float(drive["matches_resident"])),
+    )  # fmt: skip
+    return [{"target": name, "need": need, "value": v, "met": None if v is None else v >= need} for name, need, v in values]
