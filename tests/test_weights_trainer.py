@@ -29,6 +29,7 @@ STEPS = 3
 OPTIMIZERS = {
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=False),
     "adamw-foreach": functools.partial(torch.optim.AdamW, lr=1e-2, foreach=True),
+    "adamw-fused": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True),
     "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
 }
 
@@ -97,6 +98,8 @@ CASES = [
     for engine in ENGINES for per_load, clip in ((1, None), (2, 0.5))
 ] + [
     pytest.param("posix", "adamw-foreach", 1, None, None, id="posix-adamw-foreach-no-accumulation"),
+    pytest.param("posix", "adamw-fused", 2, 2, None, id="posix-adamw-fused-accumulate2"),
+    pytest.param("posix", "adamw-fused", 2, 1, 0.5, id="posix-adamw-fused-accumulate2-per_load1-clip"),
     pytest.param("posix", "sgd-momentum", 2, 2, 0.5, id="posix-sgd-momentum-accumulate2-clip"),
 ]
 

@@ -167,7 +167,7 @@ def full_document(report: dict[str, Any], *, started: float, workdir: Path, comm
     cap = f"a {format_bytes(spec['memory_limit_bytes'])} memory cap (page cache included)" if spec["memory_limit_bytes"] else "no memory cap"
     about = (f"Full fine-tuning (every weight) of a {m['layers']}-layer Llama-shaped model ({format_bytes(m['weights_nbytes'])} of {m['dtype']} "
              f"weights, random, from a safetensors checkpoint; about 4x that with gradients and AdamW state), AdamW (lr {spec['lr']:g}, weight "
-             f"decay {spec['weight_decay']:g}), {spec['micro_batches']} micro-batches of sequences of {spec['seq_len']} tokens per optimizer "
+             f"decay {spec['weight_decay']:g}; torch's fused kernel, DeepSpeed's DeepSpeedCPUAdam), {spec['micro_batches']} micro-batches of sequences of {spec['seq_len']} tokens per optimizer "
              f"step ({spec['per_load']} per weight load when streamed); one step not measured, then the median of {spec['steps']}. "
              f"streamed-drive and DeepSpeed under {cap}, resident uncapped; {spec['rounds']} round(s). Bytes are this process's storage reads "
              f"and writes (/proc/self/io); the minimum is the streamed layers' weights read twice and their weights and AdamW state read "

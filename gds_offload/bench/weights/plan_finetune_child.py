@@ -84,7 +84,7 @@ def _load(spec: FinetuneChildSpec) -> tuple[Any, Any]:
         skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(spec.store))
     model = peft.get_peft_model(skeleton, lora)
     if spec.mode == "planned":
-        pass  # "the planned mode runs the plan made before it (uncapped, as gds-offload plan is run)"
+        assert spec.plan is not None, "the planned mode runs the plan made before it (uncapped, as gds-offload plan is run)"
         return model, load_streamed(model, spec.store, plan=Plan.from_dict(spec.plan))
     return model, load_streamed(model, spec.store, slots=spec.slots)
 
