@@ -94,6 +94,14 @@ def unpack_state(layout: tuple[StateEntry, ...], buf: torch.Tensor) -> dict[str,
     return out
 
 
+def _check(data: torch.Tensor, want: int, where: str) -> None:
+    """Raise :class:`StoreCorruptError` naming ``where`` unless ``data`` hashes to ``want`` (xxh3-64)."""
+    got = checksum(data)
+    if got != want:
+        raise StoreCorruptError(f"{where} is corrupt: xxh3-64 {got:016x}, expected {want:016x}; "
+                                f"restore the training directory or start again from the store")  # fmt: skip
+
+
 @dataclass(eq=False)
 class GroupRead:
     """A weight group being read (:meth:`Generations.start_group`)."""
@@ -112,10 +120,7 @@ class GroupRead:
             OffloadError: the read failed.
         """
         self.future.wait()
-        got = checksum(self.buf[: self.nbytes])
-        if got != self.xxh3:
-            raise StoreCorruptError(f"{self.where} is corrupt: xxh3-64 {got:016x}, expected {self.xxh3:016x}; "
-                                    f"restore the training directory or start again from the store")  # fmt: skip
+        _check(self.buf[: self.nbytes], self.xxh3, self.where)
         return self.buf
 
     def close(self) -> None:
@@ -148,11 +153,8 @@ class StateRead:
         try:
             self.future.wait()
         finally:
-            self.close()
-        got = checksum(self.buf[: self.end])
-        if got != self.xxh3:
-            raise StoreCorruptError(f"{self.path} is corrupt: xxh3-64 {got:016x}, expected {self.xxh3:016x}; "
-                                    f"restore the training directory or start again from the store")  # fmt: skip
+            self.close()  # the file; the read has landed
+        _check(self.buf[: self.end], self.xxh3, self.path)
         return unpack_state(self.layout, self.buf)
 
     def holds(self, entries: list[tuple[str, str, torch.Tensor]]) -> bool:
