@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from helpers.disks import real_disk_base  # noqa: E402
 import gds_offload  # noqa: E402
 from gds_offload.errors import ConfigError, OffloadError  # noqa: E402
 from gds_offload.weights import StoreCorruptError, convert, load_streamed, read_manifest  # noqa: E402
+from gds_offload.weights.stream_stats import StreamStats  # noqa: E402
 
 LAYERS = 4
 #: The tensors trained in these tests: resident ones (the streamed layers' parameters are frozen).
@@ -79,11 +81,16 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, names: tuple[str, ...]) -> 
     return loss.detach(), {n: params[n].grad.clone() for n in names}
 
 
-def _again(streamed: int, slots: int, steps: int = 1) -> tuple[list[int], list[int]]:
-    """``(backward_reads, backward_copies)`` after ``steps`` forward-backward steps: each layer once
-    per step, copied out of its slot for the last ``slots`` layers (still in the ring at the turn), read again for the rest."""
+def _again(streamed: int, slots: int, steps: int = 1) -> tuple[list[int], list[int], list[int], int]:
+    """``(backward_reads, backward_held, backward_copies, renewed_slots)`` after ``steps`` forward-backward steps:
+    each layer once per step, computed from its slot for the last ``slots`` layers (still in the ring at the turn),
+    read again into a slot for the rest; nothing copied, no slot still viewed when the ring wrote it."""
     held = min(slots, streamed)
-    return [steps] * (streamed - held) + [0] * held, [0] * (streamed - held) + [steps] * held
+    return [steps] * (streamed - held) + [0] * held, [0] * (streamed - held) + [steps] * held, [0] * streamed, 0
+
+
+def _backward(s: StreamStats) -> tuple[list[int], list[int], list[int], int]:
+    return s.backward_reads, s.backward_held, s.backward_copies, s.renewed_slots
 
 
 def _assert_equal(got: tuple[torch.Tensor, dict[str, torch.Tensor]], want: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -101,11 +108,11 @@ def test_gradients_equal_resident(stores: dict[str, tuple[Path, Path]], ids: tor
     with load_streamed(_skeleton(store), store, slots=slots) as h:
         _assert_equal(_step(_trainable(h.model, names), ids, names), want)
         s = h.stats()
-        assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots)  # each layer's weights once more, for backward
+        assert _backward(s) == _again(LAYERS, slots)  # each layer's weights once more, for backward
         with torch.no_grad():
             h(ids)
         s = h.stats()
-        assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots)  # nothing is saved without grad
+        assert _backward(s) == _again(LAYERS, slots)  # nothing is saved without grad
 
 
 def test_input_gradients_and_double_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
@@ -143,7 +150,7 @@ def test_backward_waits_for_a_slow_drive(monkeypatch: pytest.MonkeyPatch, stores
         loss.backward()
         params = dict(h.model.named_parameters())
         _assert_equal((loss.detach(), {n: params[n].grad for n in LLAMA_TRAIN}), want)
-        assert reads[0] >= LAYERS
+        assert reads[0] >= LAYERS - 1  # every layer but the last, which backward finds in its slot
 
 
 def _settle_before_attention_backward(model: torch.nn.Module, settle: object) -> None:
@@ -160,10 +167,11 @@ def _settle_before_attention_backward(model: torch.nn.Module, settle: object) ->
 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_backward_copies_the_layers_left_in_the_ring(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, slots: int) -> None:
-    """The forward's last ``slots`` layers are still in the ring at backward: backward copies them
-    out and the slots fill with the next forward's first layers at once. Each layer's attention
-    backward waits until those fills have landed (``settle``), so a view left pointing into a slot
-    would compute with another layer's bytes. Two steps: the second forward finds its first layers read."""
+    """The forward's last ``slots`` layers are still in the ring at backward: backward computes
+    from them where they lie, and reads the layers below into the slots as it frees them. Each
+    layer's attention backward waits until those fills have landed (``settle``), so a view of a
+    slot written too early would compute with another layer's bytes. Two steps: the second
+    forward finds its first layers where the first backward left them."""
     ckpt, store = stores["llama"]
     ref = _resident(ckpt, LLAMA_TRAIN)
     _settle_before_attention_backward(ref, lambda: None)
@@ -175,13 +183,60 @@ def test_backward_copies_the_layers_left_in_the_ring(stores: dict[str, tuple[Pat
             model.zero_grad(set_to_none=True)
             _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
         s = h.stats()
-    assert (s.backward_reads, s.backward_copies) == _again(LAYERS, slots, steps=2)
+    assert _backward(s) == _again(LAYERS, slots, steps=2)
     assert s.misses == 0 and s.wasted_reads == 0
-    # Every layer once per step, and the first `slots` once more: prefetched after the last backward.
-    assert s.reads == [2 + (p < slots) for p in range(LAYERS)]
+    # Every layer once per forward, but the first `slots` of the second (the first backward left them in the ring),
+    # and once per backward below the last `slots`.
+    assert s.reads == [2 - (p < slots) + 2 * (p < LAYERS - slots) for p in range(LAYERS)]
 
 
-def test_a_ring_holding_every_layer_copies_each_for_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
+class _Keep(torch.autograd.Function):
+    """``x`` unchanged; its backward keeps the weight it saved (``kept``): a tensor autograd
+    unpacked that outlives its layer's backward, as a custom ``autograd.Function`` may make."""
+
+    kept: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _Keep.kept.append(ctx.saved_tensors[0])
+        return grad, None
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_weight_kept_past_its_layers_backward_keeps_its_bytes(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor, slots: int) -> None:
+    """Backward computes from the ring's slots; a tensor made from a slot and kept after its layer's
+    backward (here by a custom Function) keeps that layer's bytes: the slot gets a new buffer
+    before anything is written into it. Gradients stay equal to resident, and so does the kept tensor."""
+    ckpt, store = stores["llama"]
+
+    def keeping(model: torch.nn.Module) -> torch.nn.Module:
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            mlp.down_proj.register_forward_hook(lambda m, _a, out: _Keep.apply(out, m.weight))
+        return model
+
+    ref = keeping(_resident(ckpt, LLAMA_TRAIN))
+    want = _step(ref, ids, LLAMA_TRAIN)
+    want_kept = [layer.mlp.down_proj.weight.detach().clone() for layer in ref.model.layers][::-1]
+    _Keep.kept.clear()
+    with load_streamed(_skeleton(store), store, slots=slots) as h:
+        model = keeping(_trainable(h.model, LLAMA_TRAIN))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
+        s = h.stats()
+    assert len(_Keep.kept) == 2 * LAYERS
+    assert all(torch.equal(k, w) for k, w in zip(_Keep.kept, 2 * want_kept)), "a kept weight changed under it"
+    assert s.renewed_slots > 0 and s.backward_copies == [0] * LAYERS
+    _Keep.kept.clear()
+
+
+def test_a_ring_holding_every_layer_lends_each_to_backward(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor) -> None:
     ckpt, store = stores["llama"]
     want = _step(_resident(ckpt, LLAMA_TRAIN), ids, LLAMA_TRAIN)
     with load_streamed(_skeleton(store), store, slots=LAYERS) as h:
@@ -190,7 +245,7 @@ def test_a_ring_holding_every_layer_copies_each_for_backward(stores: dict[str, t
             model.zero_grad(set_to_none=True)
             _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
         s = h.stats()
-    assert s.reads == [1] * LAYERS and s.backward_reads == [0] * LAYERS and s.backward_copies == [2] * LAYERS
+    assert s.reads == [1] * LAYERS and s.backward_reads == s.backward_copies == [0] * LAYERS and s.backward_held == [2] * LAYERS
     assert s.misses == 0 and s.reused == LAYERS  # the second forward reads nothing
 
 
@@ -220,7 +275,7 @@ def test_composes_with_activation_offloading(tmp_path: Path, stores: dict[str, t
             got = _step(model, ids, LLAMA_TRAIN)
         # The activations went to the offloader's hooks (below the streamed layers' own), the weights to the store.
         s = h.stats()
-        assert off.stats().bytes_offloaded > 0 and (s.backward_reads, s.backward_copies) == _again(LAYERS, 1)
+        assert off.stats().bytes_offloaded > 0 and _backward(s) == _again(LAYERS, 1)
     _assert_equal(got, want)
 
 
@@ -454,7 +509,7 @@ def test_lora_fine_tuning_equals_resident(stores: dict[str, tuple[Path, Path]], 
                 losses.append(loss.detach())
             runs.append((losses, peft.get_peft_model_state_dict(m)))
         s = h.stats()
-        assert (s.backward_reads, s.backward_copies) == _again(LAYERS - resident_layers, slots, steps=3)
+        assert _backward(s) == _again(LAYERS - resident_layers, slots, steps=3)
         for a, b in zip(runs[0][0], runs[1][0]):
             assert torch.equal(a, b)
         assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) == 2 * len(LORA_TARGETS) * LAYERS
@@ -564,7 +619,7 @@ def test_architectures_stream_and_backward_exactly(arch: str, ids: torch.Tensor,
             assert torch.equal(h(ids).logits, want_logits)
         _assert_equal(_step(_trainable(h.model, (embed,)), ids, (embed,)), want)
         s = h.stats()
-        assert (s.backward_reads, s.backward_copies) == _again(3, 1)
+        assert _backward(s) == _again(3, 1)
 
 
 def test_a_checkpoint_transformers_converts_at_load_is_refused(tmp_path: Path) -> None:

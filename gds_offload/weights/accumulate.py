@@ -66,9 +66,20 @@ def accumulate(
     losses: list[torch.Tensor] = []
     for start in range(0, len(batches), n):
         wave = batches[start : start + n]
+        if len(wave) == 1:  # nothing to share a load with: the ordinary pass, on this thread
+            losses.append(_alone(model, wave[0], loss, base + start))
+            continue
         calls = [functools.partial(_step, model, b, loss) for b in wave]
         losses.extend(lm.run_team(calls, seeds=[base + start + j for j in range(len(wave))]))
     return losses
+
+
+def _alone(model: Any, batch: Mapping[str, Any], loss: Loss | None, seed: int) -> torch.Tensor:
+    """:func:`_step` drawing what it would after ``torch.manual_seed(seed)``; the caller's random state is kept."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        torch.manual_seed(seed)
+        return _step(model, batch, loss)
 
 
 def _step(model: Any, batch: Mapping[str, Any], loss: Loss | None) -> torch.Tensor:

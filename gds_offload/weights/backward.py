@@ -13,17 +13,23 @@ layer runs with grad mode on, :class:`SavedWeights` pushes saved-tensor hooks
   goes to the hooks that were active when the layer started (the activation offloader's,
   a checkpoint's), or is returned as it is.
 * ``unpack(packed) -> Tensor``, on the thread running backward (it may block it): a
-  :class:`SlotRef`'s layer is read again from the store (:meth:`Ring.fetch
+  :class:`SlotRef`'s view is rebuilt on its layer's bytes. Where the ring lends its slots
+  (``lend``, :meth:`Prefetch.lend <gds_offload.weights.prefetch.Prefetch.lend>`: host slots,
+  and a backward without ``create_graph``), those are the slot holding the layer: left there
+  by the forward, or read into it while backward computed the layer above, as the next forward
+  will use them; the slot is written again only once every tensor made from it is freed.
+  Otherwise the layer is read again from the store (:meth:`Ring.fetch
   <gds_offload.weights.ring.Ring.fetch>`, into a buffer of its own), or copied into one out
   of the ring slot that still holds it after the forward (``held``,
-  :meth:`Prefetch.copy_held <gds_offload.weights.prefetch.Prefetch.copy_held>`), and its view
-  rebuilt; the read (or copy) of the layer below, which backward reaches next, is started at
-  the same time. Views never point into a slot: autograd may keep them past the slot's next fill.
+  :meth:`Prefetch.copy_held <gds_offload.weights.prefetch.Prefetch.copy_held>`), and the read
+  (or copy) of the layer below is started at the same time. (With ``create_graph=True`` the
+  backward's own graph may keep the weights as long as it likes, so they get buffers of their own.)
 
 Invariant: ``unpack(pack(t))`` equals ``t`` in every bit, size, stride, dtype and device:
 the bytes are the store's, which the forward used (with ``verify``, checked again; a copied
 layer's were checked when its slot was filled). Two fetched layers at most are held, the one backward is in and the next, until their views
-are freed by autograd and the next forward (or :meth:`SavedWeights.clear`) drops them.
+are freed by autograd and the next forward (or :meth:`SavedWeights.clear`) drops them; a lent
+layer is held in its slot until backward needs the next one, or the next forward begins.
 
 .. note:: Gradients of the streamed layers' own parameters exist only under
    :class:`~gds_offload.weights.trainer.StreamedTrainer` (:meth:`StreamedModel.train_layers
@@ -76,15 +82,18 @@ class SavedWeights:
         groups: the streamed layers, in order (``pos`` indexes them).
         describe: names the model for errors (its store).
         held: a layer's bytes copied out of the slot still holding them, or ``None`` (read them).
+        lend: ``lend(pos)``: the ring slot holding layer ``pos``, lent to backward, and how it got there
+            (:meth:`Prefetch.lend <gds_offload.weights.prefetch.Prefetch.lend>`), asked at every unpack; or ``None``
+            (the ring cannot lend, or a forward holds it): ``held`` and reads then.
         on_layer: ``on_layer(pos)``, on the thread running a backward, when that backward first needs
             layer ``pos`` (before its bytes are fetched): where a layer-major team hands over.
     """
 
     def __init__(
         self, ring: Ring, groups: list[GroupEntry], describe: str, *, held: Callable[[int], torch.Tensor | None],
-        on_layer: Callable[[int], None] | None = None,
+        on_layer: Callable[[int], None] | None = None, lend: Callable[[int], tuple[torch.Tensor, str | None] | None] | None = None,
     ) -> None:  # fmt: skip
-        self._ring, self._groups, self._describe, self._held = ring, groups, describe, held
+        self._ring, self._groups, self._describe, self._held, self._lend = ring, groups, describe, held, lend
         self._on_layer = on_layer
         self._last: dict[int, int] = {}  # thread -> the layer its backward last needed
         # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
@@ -100,6 +109,8 @@ class SavedWeights:
         #: (:class:`StreamStats.backward_reads`, ``backward_copies``).
         self.reads = [0] * len(groups)
         self.copies = [0] * len(groups)
+        #: Layers backward computed from where the forward left them (:class:`StreamStats.backward_held`).
+        self.held = [0] * len(groups)
 
     @property
     def active(self) -> bool:
@@ -136,6 +147,10 @@ class SavedWeights:
         with self._lock:
             self._fetched.clear()
             self._last.clear()
+
+    def renew(self, slot: int) -> None:
+        """The ring gave ``slot`` a new buffer: tensors saved from it are the slot's from now on."""
+        self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(self._ring.buffers)}
 
     def close(self) -> None:
         """After this, backward through a layer saved earlier raises :class:`OffloadError`."""
@@ -188,6 +203,16 @@ class SavedWeights:
                     f"backward needs the weights of {self._groups[pos].describe()}, but the StreamedModel of "
                     f"{self._describe} is closed; run backward before close()"
                 )
+            if pos in self._fetched:
+                return self._fetched[pos]
+            # Grad mode is on in backward only under create_graph=True, whose graph may keep the weights.
+            lent = None if self._lend is None or torch.is_grad_enabled() else self._lend(pos)
+            if lent is not None:
+                slot, how = lent
+                self._fetched.clear()  # not kept: once backward moves on, the slot may be written
+                if how is not None:
+                    (self.reads if how == "read" else self.held)[pos] += 1
+                return _given(slot)
             wanted = [pos] + ([pos - 1] if pos - 1 in self._saved else [])
             for p in list(self._fetched):
                 if p not in wanted:

@@ -127,7 +127,7 @@ class LayerHooks:
             raise ConfigError("layer-major micro-batches with gradient checkpointing are not supported; turn checkpointing off "
                               "(the team already reads each layer once per round) or use one micro-batch per load")  # fmt: skip
         current = self._prefetch.current
-        if current is not None and current[0] == pos:
+        if current is not None and current[0] == pos and not self._prefetch.lending:
             if torch.is_grad_enabled():
                 self._saved.enter(pos, current[1])  # this member's saved weights, for its own backward
             return  # an earlier member of this round bound it: the same weights, no read
@@ -144,7 +144,8 @@ class LayerHooks:
             return
         team.arrive()
         with held():
-            if self._prefetch is not None and self._prefetch.current is not None:
+            # A layer lent to backward stays for the members behind this one; the next lend puts it back.
+            if self._prefetch is not None and self._prefetch.current is not None and not self._prefetch.lending:
                 self._release()
 
     def run_team(self, calls: Sequence[Callable[[], Any]], *, seeds: Sequence[int | None] | None = None) -> list[Any]:
@@ -227,6 +228,9 @@ class LayerHooks:
         """Take the current layer's weights out and hand its slot back; ``False`` if its forward
         changed the slot's bytes (its version counter moved)."""
         assert self._prefetch is not None and self._prefetch.current is not None and self._ring is not None, "release without a current layer"
+        if self._prefetch.lending:  # a backward's: never bound, never written
+            self._prefetch.end_lend()
+            return True
         pos, slot = self._prefetch.current
         if self._saved is not None:
             self._saved.exit()
@@ -238,6 +242,18 @@ class LayerHooks:
     def _unbind(self, pos: int, slot: int) -> None:
         for name, _ in self._views[pos][slot]:
             self.binding.restore(name)
+
+    def _lend(self, pos: int) -> tuple[torch.Tensor, str | None] | None:
+        """For backward (any thread): the ring slot holding layer ``pos``, lent (:meth:`Prefetch.lend
+        <gds_offload.weights.prefetch.Prefetch.lend>`), and how it got there; ``None``: fetch or copy it instead."""
+        assert self._prefetch is not None, "a backward lend without a ring"
+        with held():
+            if not self._turn.try_enter():
+                return None  # another thread's forward has the ring
+            try:
+                return self._prefetch.lend(pos)
+            finally:
+                self._turn.exit()
 
     def _copy_held(self, pos: int) -> torch.Tensor | None:
         """For backward (any thread): layer ``pos`` copied out of the slot still holding it, or ``None``."""

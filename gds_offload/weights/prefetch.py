@@ -11,11 +11,21 @@ predicts the layers the model calls next and keeps every free slot filling with 
 * past the end of a pass that *turns*: nothing. The pass's last layers stay in their slots as
   *held* fills, and they are exactly the first layers of what follows, which uses them with no
   read. A checkpointed forward turns into its recompute, and a recompute into the next forward.
-  Any other forward with grad mode on turns into its backward, which reads the weights autograd
-  saved again (:mod:`gds_offload.weights.backward`): it copies the held layers out of their
-  slots (:meth:`Prefetch.copy_held`), and the slots then fill with the next forward's first
-  layers. (A forward with grad mode on that no backward follows makes the next forward's first
-  layer a miss.)
+  Any other forward with grad mode on turns into its backward, which needs the weights autograd
+  saved again (:mod:`gds_offload.weights.backward`). On a ring that :attr:`~gds_offload.weights.ring.Ring.lends`
+  (host slots), backward is a pass down the slots like a recompute (:meth:`Prefetch.lend`): it
+  computes from the held layers where they lie, reads the layers below into the slots it frees,
+  and turns into the next forward at layer 0, which it leaves in its slot. Elsewhere it copies the
+  held layers out of their slots (:meth:`Prefetch.copy_held`) and reads the rest into buffers of
+  their own, and the slots fill with the next forward's first layers. (A forward with grad mode on
+  that no backward follows makes the next forward's first layer a miss.)
+
+A slot lent to backward is written again only once no tensor made from it during the lend is
+left (its storage's use count is back where it was, :meth:`Ring.uses
+<gds_offload.weights.ring.Ring.uses>`): autograd frees the weights it unpacked when each node has
+run, so that is the rule, but a tensor kept longer (a custom ``autograd.Function`` holding its
+saved tensors) keeps the old buffer, and the slot gets a new one (``on_renew``), never another
+layer's bytes under a live tensor.
 
 A slot whose layer has finished keeps that layer's bytes until a fill starts writing it: a
 fill of a layer still lying in a free slot takes that slot and reads nothing (all of a model's
@@ -36,6 +46,8 @@ either in line with its read, or freed after it finished.
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gds_offload.weights.ring import Fill, Ring
@@ -50,10 +62,13 @@ __all__ = ["Prefetch"]
 
 
 class Prefetch:
-    """The fills of ``ring``'s slots with ``groups`` (the streamed layers, in order), counted in ``stats``."""
+    """The fills of ``ring``'s slots with ``groups`` (the streamed layers, in order), counted in
+    ``stats``; ``on_renew(slot)`` after :meth:`Ring.renew <gds_offload.weights.ring.Ring.renew>`
+    gave a slot still viewed a new buffer (the caller makes its views of the new one)."""
 
-    def __init__(self, ring: Ring, groups: list[GroupEntry], stats: StreamStats) -> None:
-        self._ring, self._groups, self._stats = ring, groups, stats
+    def __init__(self, ring: Ring, groups: list[GroupEntry], stats: StreamStats, *,
+                 on_renew: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        self._ring, self._groups, self._stats, self._on_renew = ring, groups, stats, on_renew
         #: Fills in the order their layers are expected: reads in flight (or done) and held slots.
         self._inflight: collections.deque[Fill] = collections.deque()
         self._free = list(range(len(ring.buffers)))[::-1]
@@ -64,6 +79,9 @@ class Prefetch:
         self._next = 0  # the next layer to fill; outside 0..n-1 once the pass's last is issued
         self._direction = 1
         self._turns = False  # the pass in progress is followed by one going the other way
+        #: The current layer is lent to a backward (:meth:`lend`), not bound for a forward.
+        self.lending = False
+        self._lent: dict[int, int] = {}  # slot -> its storage's use count when it was last lent
 
     def next_fill(self, pos: int, *, direction: int, turns: bool) -> Fill:
         """Layer ``pos`` starts a forward going ``direction`` (``1`` up, ``-1`` down), in a pass
@@ -83,12 +101,13 @@ class Prefetch:
         assert self._inflight and self._inflight[0].pos == pos, f"no fill for layer {pos}: a ring slot was lost"
         return self._inflight[0]
 
-    def take(self, fill: Fill) -> None:
-        """``fill`` (from :meth:`next_fill`, finished) is the current layer's: it becomes :attr:`current`."""
+    def take(self, fill: Fill, *, forward: bool = True) -> None:
+        """``fill`` (from :meth:`next_fill`, finished) is the current layer's: it becomes :attr:`current`
+        (a held one counts in ``stats.reused`` for a ``forward``; backward counts its own)."""
         assert self._inflight and self._inflight[0] is fill, "take() of a fill that is not first in line"
         self._inflight.popleft()
         self.current = (fill.pos, fill.slot)
-        if fill.held:
+        if fill.held and forward:
             self._stats.reused += 1
 
     def discard(self, fill: Fill) -> None:
@@ -147,6 +166,7 @@ class Prefetch:
     def forget(self) -> None:
         """The store's bytes changed (a training step wrote new weights): wait for the fills in
         flight, forget what every slot holds, and fill the slots again from the first layer."""
+        self.end_lend(intact=False)
         self.drain()
         self._holds = [None] * len(self._holds)
         self.restart()
@@ -154,9 +174,54 @@ class Prefetch:
     def restart(self) -> None:
         """Drop the prediction: wait for the fills in flight, then fill the slots with the first
         layers, for a forward (e.g. after the engine was replaced)."""
+        self.end_lend()
         self.drain()
         self._direction, self._next, self._turns = 1, 0, False
         self.fill()
+
+    def lend(self, pos: int) -> tuple[torch.Tensor, str | None] | None:
+        """Backward needs layer ``pos``'s bytes: ``(the slot's buffer, how)``, lent until backward
+        needs another layer (:meth:`end_lend`); ``how`` is ``"read"`` (into the slot), ``"held"``
+        (left there by the forward) or ``None`` (lent already); ``None`` where this ring cannot lend
+        or a forward holds a layer. Ask again at every use: a layer put back may be written. Backward goes down the layers as a pass that turns into the next
+        forward: the layer lent before is put back, and the free slots fill with the layers below.
+        A wait that raises (Ctrl-C, a failed read) lends nothing and leaves the fills as they were
+        (a failed one discarded)."""
+        if not self._ring.lends or (self.current is not None and not self.lending):
+            return None
+        if self.current is not None:
+            if self.current[0] == pos:
+                return self._ring.buffers[self.current[1]], None
+            self.end_lend()
+        fill = self.next_fill(pos, direction=-1, turns=True)
+        if not fill.held:
+            start = time.perf_counter()
+            try:
+                self._ring.wait(self._groups[pos], fill)
+            except BaseException:
+                if self._ring.failed(fill):
+                    self.discard(fill)
+                raise
+            self._stats.stall_s += time.perf_counter() - start
+        self.take(fill, forward=False)
+        self.lending = True
+        self._lent[fill.slot] = self._ring.uses(fill.slot)  # before backward makes any tensor of it
+        return self._ring.buffers[fill.slot], "held" if fill.held else "read"
+
+    def end_lend(self, *, intact: bool = True) -> None:
+        """The layer lent to backward is done with: put it back (:meth:`put_back`); nothing if none is lent.
+        ``intact=False``: the store's bytes changed since (the slot holds nothing usable)."""
+        if self.lending:
+            self.lending = False
+            self.put_back(intact=intact)
+
+    def check_lent(self) -> None:
+        """Before the ring's own views of its slots are made again (they count in :meth:`Ring.uses
+        <gds_offload.weights.ring.Ring.uses>`): renew each slot a tensor made during a lend still views, and forget the counts."""
+        for slot, lent in list(self._lent.items()):
+            if self._ring.uses(slot) > lent:
+                self._renew(slot)
+        self._lent.clear()
 
     def copy_held(self, pos: int) -> torch.Tensor | None:
         """Backward needs layer ``pos``'s bytes again: a copy of them (:meth:`Ring.copy
@@ -190,12 +255,21 @@ class Prefetch:
             return Fill(pos, slot, held=True)
         slot = self._free[-1]
         g = self._groups[pos]
-        fill = self._ring.start(g, pos, slot)  # first: if it raises, the slot is still free and unchanged
+        lent = self._lent.pop(slot, None)
+        if lent is not None and self._ring.uses(slot) > lent:
+            self._renew(slot)  # a tensor backward made from it is still alive: it keeps the old buffer
+        fill = self._ring.start(g, pos, slot)  # if it raises, the slot is still free and unchanged
         self._free.pop()
         self._holds[slot] = None  # being written
         self._stats.reads[pos] += 1
         self._stats.bytes_read += g.nbytes
         return fill
+
+    def _renew(self, slot: int) -> None:
+        self._ring.renew(slot)
+        self._stats.renewed_slots += 1
+        if self._on_renew is not None:
+            self._on_renew(slot)
 
     def _turn(self) -> None:
         """The end of a turning pass: the next goes the other way, from the layers held in the slots."""

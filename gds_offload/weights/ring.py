@@ -71,6 +71,10 @@ class Ring:
     kind = "ring"
     #: Host memory holding the streamed layers (the pinned tier).
     host_nbytes = 0
+    #: Backward may compute from the slots themselves (:meth:`Prefetch.lend
+    #: <gds_offload.weights.prefetch.Prefetch.lend>`): where the tensors viewing a slot can be counted
+    #: (:meth:`uses`) and a slot still viewed can be given a new buffer (:meth:`renew`).
+    lends = False
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
@@ -113,6 +117,15 @@ class Ring:
         self.release(slot)
         return buf
 
+    def uses(self, slot: int) -> int:
+        """How many tensors share ``slot``'s storage now (the ring's own views included)."""
+        return int(torch._C._storage_Use_Count(self.buffers[slot].untyped_storage()._cdata))
+
+    def renew(self, slot: int) -> None:
+        """Give ``slot`` a buffer of its own size, holding nothing; the old one stays with the tensors
+        that still view it, unchanged, until they are freed."""
+        self.buffers[slot] = self._new_buffer(self.buffers[slot].numel())
+
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A buffer like the slots (page-aligned host memory, or 4 KiB-aligned device memory), every
         page touched once, as a slot's are after its first fill (for timing reads as the ring sees them)."""
@@ -150,6 +163,7 @@ class HostRing(Ring):
     """Host slots filled by ``engine`` reads (see the module doc)."""
 
     kind = "host"
+    lends = hasattr(torch._C, "_storage_Use_Count")
 
     def __init__(self, engine: Engine, files: StoreFiles, buffers: list[torch.Tensor], *, verify: bool) -> None:
         super().__init__(buffers)
@@ -190,6 +204,7 @@ class DeviceRing(HostRing):
     """Device slots filled by engine reads, each guarded by its release event (see the module doc)."""
 
     kind = "device"
+    lends = False  # a slot's next fill is ordered by its release event, which renew() would have to replace
 
     def __init__(self, engine: Engine, files: StoreFiles, buffers: list[torch.Tensor], *, verify: bool, device: torch.device) -> None:
         super().__init__(engine, files, buffers, verify=verify)

@@ -234,6 +234,7 @@ class StreamedModel(LayerHooks):
         self._ring: Ring | None = None
         self._saved: SavedWeights | None = None
         self._prefetch: Prefetch | None = None
+        self._on_grad: Callable[[int, str, torch.Tensor], None] | None = None  # train_layers'
         try:
             self._loader = make_engine("posix", num_threads=o.num_threads or DEFAULT_THREADS, read_pool_bytes=0)
             self._res.append(self._loader)
@@ -273,8 +274,9 @@ class StreamedModel(LayerHooks):
                 self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._pre, pos)))
                 self._hooks.append(layer.register_forward_hook(functools.partial(self._post, pos), always_call=True))
             if self._ring is not None:
-                self._prefetch = Prefetch(self._ring, self._streamed, self._stats)
-                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held, on_layer=self._backward_layer)
+                self._prefetch = Prefetch(self._ring, self._streamed, self._stats, on_renew=self._renew_views)
+                self._saved = SavedWeights(self._ring, self._streamed, str(self._dirs[0]), held=self._copy_held, on_layer=self._backward_layer,
+                                           lend=self._lend)  # fmt: skip
                 parent = (manifest.layer_prefix or "").rpartition(".")[0]
                 self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
@@ -343,7 +345,10 @@ class StreamedModel(LayerHooks):
             raise ConfigError("training streamed layers needs tier='drive' (tier='host' on the CPU holds every layer in one arena) "
                               "and at least one streamed layer")  # fmt: skip
         with held(), self._turn.holding(wait=True):
+            self._prefetch.end_lend()
             self._prefetch.drain()
+            self._prefetch.check_lent()  # the views made next count in the slots' use
+            self._on_grad = on_grad
             self._views = [[self._slot_views(g, buf, functools.partial(on_grad, pos)) for buf in self._ring.buffers]
                            for pos, g in enumerate(self._streamed)]  # fmt: skip
             self._prefetch.restart()
@@ -376,8 +381,10 @@ class StreamedModel(LayerHooks):
         s = self._stats
         again = list(self._saved.reads) if self._saved else []
         copied = list(self._saved.copies) if self._saved else []
+        kept = list(self._saved.held) if self._saved else []
         return StreamStats(**(asdict(s) | {"loads": list(s.loads), "reads": list(s.reads), "compute_s": list(s.compute_s),
-                                           "replans": list(s.replans), "backward_reads": again, "backward_copies": copied}))  # fmt: skip
+                                           "replans": list(s.replans), "backward_reads": again, "backward_copies": copied,
+                                           "backward_held": kept}))  # fmt: skip
 
     @property
     def store_dirs(self) -> list[Path]:
@@ -456,6 +463,14 @@ class StreamedModel(LayerHooks):
     # -- loading --------------------------------------------------------------------------
     def _read_arena(self, groups: list[GroupEntry]) -> tuple[torch.Tensor, dict[str, int]]:
         return read_arena(self._loader, self._files, groups, verify=self.verify)
+
+    def _renew_views(self, slot: int) -> None:
+        """The ring gave ``slot`` a new buffer (:meth:`Ring.renew <gds_offload.weights.ring.Ring.renew>`): views of it, for binding and for the saved-tensor hooks."""
+        assert self._ring is not None and self._saved is not None, "a slot renewed without a ring"
+        buf = self._ring.buffers[slot]
+        for pos, g in enumerate(self._streamed):
+            self._views[pos][slot] = self._slot_views(g, buf, None if self._on_grad is None else functools.partial(self._on_grad, pos))
+        self._saved.renew(slot)
 
     def _slot_views(self, g: GroupEntry, buf: torch.Tensor, on_grad: Callable[[str, torch.Tensor], None] | None = None) -> list[tuple[str, torch.Tensor]]:
         # Made once, at load (outside any inference_mode), and reused every forward.

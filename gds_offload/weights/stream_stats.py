@@ -29,7 +29,7 @@ class StreamStats:
     host_nbytes: int = 0
     #: Times each layer's parameters were made real for a forward.
     loads: list[int] = field(default_factory=list)
-    #: Fills issued for each layer (one per forward, plus the ones prefetched for the next).
+    #: Fills issued for each layer (one per forward, plus the ones prefetched for the next, and backward's reads into a slot).
     reads: list[int] = field(default_factory=list)
     #: Bytes of layers filled into slots (read from the store, or copied from the host tier).
     bytes_read: int = 0
@@ -48,8 +48,13 @@ class StreamStats:
     compute_s: list[float] = field(default_factory=list)
     #: Times each layer was read again for backward (the weights autograd saved from it).
     backward_reads: list[int] = field(default_factory=list)
-    #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead.
+    #: Times backward copied a layer out of the slot still holding it (at the turn after a forward) instead
+    #: (a ring that cannot lend its slots to backward, or a backward with ``create_graph=True``).
     backward_copies: list[int] = field(default_factory=list)
+    #: Times backward computed from a layer left in its slot by the forward before, with no read or copy.
+    backward_held: list[int] = field(default_factory=list)
+    #: Slots given a new buffer because a tensor backward made from them outlived its layer's backward.
+    renewed_slots: int = 0
     #: Layer-major waves (``generate_many``): teams of micro-batches that shared each weight load, and their micro-batches.
     teams: int = 0
     team_micro_batches: int = 0
