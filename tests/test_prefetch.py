@@ -46,6 +46,31 @@ class RecordingRing:
         return [(e[1], e[2]) for e in self.log if e[0] == "read"]
 
 
+class LendingRing(RecordingRing):
+    """A ring that lends its slots to backward; ``views[slot]``: the tensors viewing it now."""
+
+    lends = True
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.buffers = [f"slot {i}" for i in range(slots)]
+        self.views = [1] * slots
+
+    def wait(self, group: GroupEntry, fill: Fill) -> None:
+        self.log.append(("wait", fill.pos))
+
+    def failed(self, fill: Fill) -> bool:
+        return False
+
+    def uses(self, slot: int) -> int:
+        return self.views[slot]
+
+    def renew(self, slot: int) -> None:
+        self.log.append(("renew", slot))
+        self.buffers[slot] = f"new slot {slot}"
+        self.views[slot] = 1
+
+
 def _prefetch(layers: int, slots: int) -> tuple[Prefetch, RecordingRing, StreamStats]:
     groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(layers)]
     stats = StreamStats(tier="drive", device="cpu", ring="host", engine="fake", direct=True, slots=slots, slot_nbytes=4096,
@@ -126,6 +151,27 @@ def test_backward_copies_the_held_layers_then_the_slots_fill_for_the_next_forwar
     assert p.copy_held(2) == "copy of layer 2"
     # Every held layer copied: the free slots fill with the next forward's first layers.
     assert ring.reads()[4:] == [(0, 0), (1, 1)]
+
+
+def test_backward_borrows_the_slots_and_turns_into_the_next_forward() -> None:
+    groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(4)]
+    p, _, stats = _prefetch(layers=4, slots=2)
+    ring = LendingRing(2)
+    p = Prefetch(ring, groups, stats)  # type: ignore[arg-type]  # the ring interface, duck-typed
+    p.fill()
+    _run(p, [0, 1, 2, 3], turns=True)  # a forward with grad mode on: layers 2 and 3 stay in their slots
+    assert p.lend(3) == ("slot 1", "held") and p.lend(3) == ("slot 1", None), "held: no read; asked again: the same"
+    assert p.lend(2) == ("slot 0", "held")
+    assert ring.reads()[4:] == [(1, 1)], "layer 3's slot, put back, is filled with the layer below the one lent"
+    ring.views[0] += 1  # a tensor made from layer 2's slot outlives its backward
+    assert p.lend(1) == ("slot 1", "read") and ("wait", 1) in ring.log
+    renewed = ring.log.index(("renew", 0))
+    assert ring.log[renewed + 1] == ("read", 0, 0) and stats.renewed_slots == 1, "a new buffer before the read"
+    assert p.lend(0) == ("new slot 0", "read")
+    p.end_lend()  # the next forward: layers 0 and 1 are where backward left them
+    assert _run(p, [0, 1, 2, 3]) == [True, True, False, False]
+    p.take(p.next_fill(0, direction=1, turns=False))
+    assert p.lend(3) is None, "no lend while a forward holds a layer"
 
 
 def test_a_failed_read_is_discarded_and_read_again_at_the_next_call() -> None:

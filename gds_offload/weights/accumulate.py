@@ -12,7 +12,8 @@ Gradients reach ``.grad`` in the same order, micro-batch by micro-batch, so adap
 every gradient are ``torch.equal`` to the loop above on the same micro-batches. Random numbers
 (dropout): micro-batch ``j`` draws what it would after ``torch.manual_seed(seed + j)``, so the
 reference loop seeds each micro-batch the same way (with dropout off, any seed gives the loop's
-own result). Activations may be offloaded too: ``gds_offload.attach(lm.model)`` composes.
+own result). Activations may be offloaded too: ``gds_offload.attach(lm.model)`` composes. A wave
+of one micro-batch shares nothing, so it runs as the loop above does, on the calling thread.
 """
 from __future__ import annotations
 

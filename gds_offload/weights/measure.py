@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -223,7 +224,8 @@ def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: st
 
 def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device) -> dict[str, Any]:
     """The fine-tuning profile: LoRA of rank ``lora_r`` on every linear layer of the decoder; one
-    layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens."""
+    layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens, each
+    the median of three runs (one run's times vary by a quarter on a shared machine)."""
     import peft
 
     seq = spec["seq"]
@@ -235,7 +237,7 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     stop = lm.layer_modules()[2].register_forward_pre_hook(_stop_with, with_kwargs=True)
     forward, backward, saved_per, transient = [], [], [], []
     lm.model.train()
-    for b in (1, 1, 2):  # the first run warms up
+    for b in (1, 1, 1, 1, 2, 2, 2):  # the first run warms up
         _emit("progress", what=f"forward and backward of {b} x {seq} tokens")
         ids = torch.randint(0, vocab, (b, seq), device=device)
         saved: dict[int, int] = {}
@@ -271,7 +273,7 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     assert hidden is not None
     _emit("progress", what=f"the head and loss of 1 x {seq} tokens, forward and backward")
     head_train = _head_train_peak(lm.model, hidden[:1], vocab, device, reset, peak)
-    forward, backward = forward[1:], backward[1:]
+    forward, backward = _medians(forward[1:]), _medians(backward[1:])
     head = _time_head(call, cfg, dtype, device, sizes=[64, 256])
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -289,6 +291,12 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
         "head_train_nbytes": head_train, "measured": {"forward": forward, "backward": backward, "saved_per_token": saved_per, "transient_per_token": transient,
                      "head": head, "read": [nbytes, seconds]},
     }  # fmt: skip
+
+
+def _medians(runs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``(tokens, seconds)`` runs: the median seconds at each size, by size."""
+    sizes = sorted({t for t, _ in runs})
+    return [(t, statistics.median(s for u, s in runs if u == t)) for t in sizes]
 
 
 def _head_train_peak(model: Any, hidden: torch.Tensor, vocab: int, device: torch.device, reset: Callable[[], None],
