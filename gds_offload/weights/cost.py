@@ -4,6 +4,7 @@ The model is the planner's module doc."""
 from __future__ import annotations
 
 import math
+import operator
 
 from gds_offload.errors import ConfigError
 from gds_offload.weights.options import KVPlacement
@@ -113,8 +114,11 @@ def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
 def estimate_finetune(profile: Profile, workload: Finetune, choice: Choice, memory_nbytes: int) -> Estimate:
     """``choice``'s predicted time, traffic and peak for LoRA fine-tuning (:func:`~gds_offload.weights.accumulate.accumulate`):
     per wave of ``per_load`` micro-batches, each streamed layer is read once in forward and once in
-    backward (the last ``slots`` copied out of the ring instead) while the wave computes it; with
-    ``offload_activations`` what autograd saves goes to the drive and back on the same drive."""
+    backward (but the last ``slots``, still in the ring) while the wave computes it; with
+    ``offload_activations`` what autograd saves goes to the drive and back on the same drive. On the
+    CPU backward reads into the ring's slots (:meth:`~gds_offload.weights.prefetch.Prefetch.lend`),
+    so with one slot its reads wait for compute as the forward's do; a GPU's backward reads into
+    buffers of its own."""
     p, w, c = profile, workload, choice
     streamed = p.layers - c.resident_layers
     write_Bps = p.write_Bps or p.read_Bps
@@ -130,11 +134,12 @@ def estimate_finetune(profile: Profile, workload: Finetune, choice: Choice, memo
             saved = seqs * w.seq * p.saved_nbytes if c.offload_activations else 0.0
             f = n * p.train_forward(tokens)
             bwd = n * p.train_backward(tokens)
-            reread = max(streamed - c.slots, 0)  # backward copies the last slots out of the ring
+            reread = max(streamed - c.slots, 0)  # backward finds the last slots in the ring
             d_f = p.layer_nbytes / p.read_Bps + saved / write_Bps
             d_b = saved / p.read_Bps
             forward_s += _layers(streamed, c.resident_layers, f, d_f, saved / write_Bps, c.slots) + n * p.head(tokens)
-            backward_s += reread * max(bwd, p.layer_nbytes / p.read_Bps + d_b) + (p.layers - reread) * max(bwd, d_b) + 2 * n * p.head(tokens)
+            overlap = max if c.slots >= 2 or p.device != "cpu" else operator.add
+            backward_s += reread * overlap(bwd, p.layer_nbytes / p.read_Bps + d_b) + (p.layers - reread) * max(bwd, d_b) + 2 * n * p.head(tokens)
             compute += p.layers * (f + bwd)
             drive += streamed * d_f + reread * p.layer_nbytes / p.read_Bps + p.layers * d_b
             read += int((streamed + reread) * p.layer_nbytes + p.layers * saved)

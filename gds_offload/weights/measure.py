@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,9 +259,12 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
                 hidden = exc.hidden
         assert hidden is not None, "the profile's stop did not run"
         after = lm.stats().compute_s
+        stalled = lm.stats().stall_s
         start = time.perf_counter()
         hidden.float().square().mean().backward()
-        bwd = time.perf_counter() - start
+        # The compute: this stop leaves no layer in the ring for backward, which waits for its reads
+        # (in a whole pass they overlap the layer above's backward, as the planner models).
+        bwd = time.perf_counter() - start - (lm.stats().stall_s - stalled)
         mem = max(peak() - rss0, 0)
         tokens = b * seq
         forward.append((tokens, (after[0] - before[0] + after[1] - before[1]) / 2))
@@ -293,7 +296,7 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     }  # fmt: skip
 
 
-def _medians(runs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+def _medians(runs: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """``(tokens, seconds)`` runs: the median seconds at each size, by size."""
     sizes = sorted({t for t, _ in runs})
     return [(t, statistics.median(s for u, s in runs if u == t)) for t in sizes]

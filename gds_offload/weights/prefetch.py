@@ -193,16 +193,16 @@ class Prefetch:
             if self.current[0] == pos:
                 return self._ring.buffers[self.current[1]], None
             self.end_lend()
+        start = time.perf_counter()  # a miss's drain waits too
         fill = self.next_fill(pos, direction=-1, turns=True)
         if not fill.held:
-            start = time.perf_counter()
             try:
                 self._ring.wait(self._groups[pos], fill)
             except BaseException:
                 if self._ring.failed(fill):
                     self.discard(fill)
                 raise
-            self._stats.stall_s += time.perf_counter() - start
+        self._stats.stall_s += time.perf_counter() - start
         self.take(fill, forward=False)
         self.lending = True
         self._lent[fill.slot] = self._ring.uses(fill.slot)  # before backward makes any tensor of it
