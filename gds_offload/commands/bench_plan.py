@@ -157,6 +157,8 @@ TARGETS = (
 
 def document(doc: dict[str, Any], *, title: str | None, command: str, commit: str | None, machine: dict[str, Any], started: float) -> dict[str, Any]:
     """The result file: what ran, a table of the modes, and the targets with their bounds."""
+    from gds_offload.bench.weights.plan_finetune import planner_targets
+
     r, s, w = doc["results"], doc["summary"], doc["workload"]
     resident = (r.get("resident") or {}).get("tokens_per_s")
     targets = []
@@ -167,13 +169,7 @@ def document(doc: dict[str, Any], *, title: str | None, command: str, commit: st
         if resident and base:
             t["ceiling"] = resident / base  # a streamer that cost nothing runs at the resident model's rate
         targets.append(t)
-    pred, meas = s.get("predicted_over_measured_tokens_per_s"), s.get("predicted_over_measured_peak")
-    if pred:
-        targets.append({"target": "predicted tok/s within 20% of measured (min(p/m, m/p))", "need": 0.8, "value": min(pred, 1 / pred), "met": abs(pred - 1) <= 0.2})
-    if meas:
-        targets.append({"target": "predicted peak within 15% of measured (min(p/m, m/p))", "need": 0.85, "value": min(meas, 1 / meas), "met": abs(meas - 1) <= 0.15})
-    if doc.get("plan_s"):
-        targets.append({"target": "gds-offload plan answers in under 60 s (60 s / its time)", "need": 1.0, "value": 60 / doc["plan_s"], "met": doc["plan_s"] < 60})
+    targets.extend(planner_targets(s, doc.get("plan_s")))
     m = doc["model"]
     about = (f"A {m['layers']}-layer Llama-shaped model (hidden {m['hidden']}, {m['dtype']}, random weights), {w['prompts']} prompts of "
              f"{w['prompt_len']} tokens, {w['new_tokens']} new tokens each (greedy); streamed modes and peers under a "
