@@ -24,6 +24,7 @@ the resident mode's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -123,7 +124,8 @@ def run(spec: FinetuneChildSpec) -> dict[str, Any]:
 
     off = None
     if spec.offload_activations and lm is not None:
-        off = gds_offload.attach(lm.model, path=Path(spec.workdir) / f"spill-{os.getpid()}", **spec.attach)
+        spill = Path(spec.workdir) / f"spill-{os.getpid()}"
+        off = gds_offload.attach(lm.model, path=spill, **spec.attach)
     losses: list[str] = []
     step_s: list[float] = []
     read0 = lm.stats().bytes_read if lm is not None else 0
@@ -148,7 +150,9 @@ def run(spec: FinetuneChildSpec) -> dict[str, Any]:
         spilled = off.stats().bytes_offloaded if off is not None else 0
     finally:
         if off is not None:
-            off.detach()
+            off.detach()  # deletes the spill files; the directory attach() made for them goes too
+            with contextlib.suppress(OSError):
+                spill.rmdir()
     trained = spec.steps * spec.global_batch * spec.seq
     out: dict[str, Any] = {"mode": spec.mode, "load_s": load_s, "step_s": step_s, "total_s": sum(step_s), "tokens": trained,
                            "tokens_per_s": trained / sum(step_s), "micro_batch": spec.micro_batch, "per_load": spec.per_load,
