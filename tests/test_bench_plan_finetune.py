@@ -75,6 +75,7 @@ def test_planned_and_ordinary_streamed_accumulation_equal_the_resident_model(ckp
         assert (got["activation_bytes_written_per_step"] > 0) is offload
     # two micro-batches per load read each layer half as often as one: forward and backward
     assert planned["bytes_read_per_step"] < naive["bytes_read_per_step"]
+    assert not list(tmp_path.glob("spill-*")), "each child's spill directory goes with its offloader"
 
 
 def test_the_adapters_moved_so_equality_is_not_vacuous(ckpt_store: tuple[Path, Path], tmp_path: Path) -> None:
