@@ -174,6 +174,24 @@ def test_backward_borrows_the_slots_and_turns_into_the_next_forward() -> None:
     assert p.lend(3) is None, "no lend while a forward holds a layer"
 
 
+def test_a_slot_lent_again_unwritten_still_knows_the_tensors_of_its_first_lend() -> None:
+    groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(2)]
+    _, _, stats = _prefetch(layers=2, slots=2)
+    ring = LendingRing(2)
+    p = Prefetch(ring, groups, stats)  # type: ignore[arg-type]  # the ring interface, duck-typed
+    p.fill()
+    _run(p, [0, 1], turns=True)
+    buf, how = p.lend(1) or (None, None)
+    slot = ring.buffers.index(buf)
+    ring.views[slot] += 1  # kept past backward
+    p.lend(0)
+    p.end_lend()
+    assert _run(p, [0, 1], turns=True) == [True, True], "a ring holding every layer writes nothing"
+    assert p.lend(1) == (buf, "held")  # lent again, its bytes unchanged: the kept tensor still counts
+    p.forget()  # the store changed: every slot is read again
+    assert ("renew", slot) in ring.log and stats.renewed_slots == 1
+
+
 def test_a_failed_read_is_discarded_and_read_again_at_the_next_call() -> None:
     p, ring, _ = _prefetch(layers=3, slots=2)
     p.fill()

@@ -81,7 +81,7 @@ class Prefetch:
         self._turns = False  # the pass in progress is followed by one going the other way
         #: The current layer is lent to a backward (:meth:`lend`), not bound for a forward.
         self.lending = False
-        self._lent: dict[int, int] = {}  # slot -> its storage's use count when it was last lent
+        self._lent: dict[int, int] = {}  # slot -> its storage's use count when first lent since its last write
 
     def next_fill(self, pos: int, *, direction: int, turns: bool) -> Fill:
         """Layer ``pos`` starts a forward going ``direction`` (``1`` up, ``-1`` down), in a pass
@@ -205,7 +205,8 @@ class Prefetch:
         self._stats.stall_s += time.perf_counter() - start
         self.take(fill, forward=False)
         self.lending = True
-        self._lent[fill.slot] = self._ring.uses(fill.slot)  # before backward makes any tensor of it
+        # Before backward makes any tensor of it; a slot lent again unwritten keeps its first count.
+        self._lent.setdefault(fill.slot, self._ring.uses(fill.slot))
         return self._ring.buffers[fill.slot], "held" if fill.held else "read"
 
     def end_lend(self, *, intact: bool = True) -> None:
