@@ -71,12 +71,12 @@ class LendingRing(RecordingRing):
         self.views[slot] = 1
 
 
-def _prefetch(layers: int, slots: int) -> tuple[Prefetch, RecordingRing, StreamStats]:
+def _prefetch(layers: int, slots: int, *, lending: bool = False) -> tuple[Prefetch, Any, StreamStats]:
     groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(layers)]
     stats = StreamStats(tier="drive", device="cpu", ring="host", engine="fake", direct=True, slots=slots, slot_nbytes=4096,
                         streamed_layers=[g.name for g in groups], resident_layers=[], resident_nbytes=0,
                         loads=[0] * layers, reads=[0] * layers)  # fmt: skip
-    ring = RecordingRing(slots)
+    ring = LendingRing(slots) if lending else RecordingRing(slots)
     return Prefetch(ring, groups, stats), ring, stats  # type: ignore[arg-type]  # the ring interface, duck-typed
 
 
@@ -154,10 +154,7 @@ def test_backward_copies_the_held_layers_then_the_slots_fill_for_the_next_forwar
 
 
 def test_backward_borrows_the_slots_and_turns_into_the_next_forward() -> None:
-    groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(4)]
-    p, _, stats = _prefetch(layers=4, slots=2)
-    ring = LendingRing(2)
-    p = Prefetch(ring, groups, stats)  # type: ignore[arg-type]  # the ring interface, duck-typed
+    p, ring, stats = _prefetch(layers=4, slots=2, lending=True)
     p.fill()
     _run(p, [0, 1, 2, 3], turns=True)  # a forward with grad mode on: layers 2 and 3 stay in their slots
     assert p.lend(3) == ("slot 1", "held") and p.lend(3) == ("slot 1", None), "held: no read; asked again: the same"
@@ -175,10 +172,7 @@ def test_backward_borrows_the_slots_and_turns_into_the_next_forward() -> None:
 
 
 def test_a_slot_lent_again_unwritten_still_knows_the_tensors_of_its_first_lend() -> None:
-    groups = [GroupEntry(f"model.layers.{i}", i, 0, i * 4096, 4096, 0) for i in range(2)]
-    _, _, stats = _prefetch(layers=2, slots=2)
-    ring = LendingRing(2)
-    p = Prefetch(ring, groups, stats)  # type: ignore[arg-type]  # the ring interface, duck-typed
+    p, ring, stats = _prefetch(layers=2, slots=2, lending=True)
     p.fill()
     _run(p, [0, 1], turns=True)
     buf, how = p.lend(1) or (None, None)
