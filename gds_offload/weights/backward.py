@@ -96,8 +96,7 @@ class SavedWeights:
         self._ring, self._groups, self._describe, self._held, self._lend = ring, groups, describe, held, lend
         self._on_layer = on_layer
         self._last: dict[int, int] = {}  # thread -> the layer its backward last needed
-        # storage pointer -> (slot, the slot's first byte): a slot is its own allocation.
-        self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
+        self._slots = _slot_map(ring)
         self._layer: tuple[int, int] | None = None  # (pos, slot) of the layer whose forward is running
         self._outer: _Hooks | None = None
         self._clone = False
@@ -150,7 +149,7 @@ class SavedWeights:
 
     def renew(self, slot: int) -> None:
         """The ring gave ``slot`` a new buffer: tensors saved from it are the slot's from now on."""
-        self._slots = {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(self._ring.buffers)}
+        self._slots = _slot_map(self._ring)
 
     def close(self) -> None:
         """After this, backward through a layer saved earlier raises :class:`OffloadError`."""
@@ -228,6 +227,11 @@ class SavedWeights:
                     self._fetched[p] = _once(self._ring.fetch(self._groups[p]))
                     self.reads[p] += 1
             return self._fetched[pos]
+
+
+def _slot_map(ring: Ring) -> dict[int, tuple[int, int]]:
+    """Storage pointer -> (slot, the slot's first byte): a slot is its own allocation."""
+    return {b.untyped_storage().data_ptr(): (i, b.data_ptr()) for i, b in enumerate(ring.buffers)}
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
