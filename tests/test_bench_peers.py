@@ -67,7 +67,8 @@ def reference(checkpoint: Path, prompts: list[list[int]], tmp_path_factory: pyte
     return r
 
 
-def _check_shape(r: PeerResult, prompts: list[list[int]]) -> None:
+def _check_shape(r: PeerResult, prompts: list[list[int]], *, cap: int | None) -> None:
+    """``cap``: the memory limit the run was given (``None``: uncapped), which the result must report."""
     assert r.status == "ok" and r.error is None, r
     assert r.batch == 2 and r.forwards == (NEW, NEW)  # two batches (2 + 1 prompts): one prefill, NEW - 1 decodes each
     assert r.prompts == len(prompts) and len(r.tokens) == len(prompts) and all(len(t) == NEW for t in r.tokens)
@@ -75,8 +76,10 @@ def _check_shape(r: PeerResult, prompts: list[list[int]]) -> None:
     assert r.prefill_s is not None and r.decode_s is not None and r.prefill_s > 0 and r.decode_s > 0
     assert r.tokens_per_s == pytest.approx(r.generated_tokens / (r.prefill_s + r.decode_s))
     assert r.setup_s is not None and r.setup_s > 0 and r.peak_rss_bytes is not None and r.peak_rss_bytes > 0 and r.bytes_read is not None
-    if _cap() is not None:
-        assert r.cgroup_limit_bytes == CAP and r.cgroup_peak_bytes is not None and 0 < r.cgroup_peak_bytes <= CAP
+    if cap is None:
+        assert r.cgroup_limit_bytes is None and r.cgroup_peak_bytes is None
+    else:
+        assert r.cgroup_limit_bytes == cap and r.cgroup_peak_bytes is not None and 0 < r.cgroup_peak_bytes <= cap
 
 
 def test_reference_is_the_resident_model_in_process(checkpoint: Path, prompts: list[list[int]], reference: PeerResult) -> None:
@@ -85,7 +88,7 @@ def test_reference_is_the_resident_model_in_process(checkpoint: Path, prompts: l
     import torch
     import transformers
 
-    _check_shape(reference, prompts)
+    _check_shape(reference, prompts, cap=_cap())
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     want = []
     with torch.no_grad():
@@ -106,7 +109,7 @@ def test_accelerate_disk_equals_the_resident_model(checkpoint: Path, prompts: li
     _skip_unless_supported("accelerate-disk")
     r = run_peer("accelerate-disk", checkpoint=checkpoint, workdir=tmp_path, prompts=prompts, max_new_tokens=NEW, batch=2, memory_limit=_cap(),
                  timeout_s=300)  # fmt: skip
-    _check_shape(r, prompts)
+    _check_shape(r, prompts, cap=_cap())
     assert r.tokens == reference.tokens and r.tokens_sha256 == reference.tokens_sha256
     assert not list(tmp_path.glob("accelerate-offload-*"))  # its offload folder is removed
 
@@ -118,7 +121,7 @@ def test_airllm_prepares_its_shards_once_and_equals_the_resident_model(checkpoin
     _skip_unless_supported("airllm")
     assert not airllm_ready(checkpoint, tmp_path)
     first = run_peer("airllm", checkpoint=checkpoint, workdir=tmp_path, prompts=prompts, max_new_tokens=NEW, batch=2, memory_limit=_cap(), timeout_s=300)
-    _check_shape(first, prompts)
+    _check_shape(first, prompts, cap=_cap())
     assert first.tokens == reference.tokens
     assert first.prepare_s is not None and first.prepare_s > 0 and airllm_ready(checkpoint, tmp_path)
     assert sorted(p.name for p in (airllm_dir(tmp_path) / "splitted_model").glob("*.safetensors")) == sorted(
@@ -139,7 +142,7 @@ def test_deepspeed_zero_inference_equals_the_resident_model(checkpoint: Path, pr
                     "a clean CI machine builds it inside the child, past the test's time")
     r = run_peer("deepspeed-zero-inference", checkpoint=checkpoint, workdir=tmp_path, prompts=prompts, max_new_tokens=NEW, batch=2,
                  memory_limit=None, timeout_s=600)  # fmt: skip
-    _check_shape(r, prompts)
+    _check_shape(r, prompts, cap=None)
     assert r.settings["params_on_nvme"] == 8 and r.settings["param_bytes_on_nvme"] == 8 << 20
     assert r.settings["nvme_file_bytes"] >= 8 << 20
     assert r.tokens == reference.tokens

@@ -38,7 +38,7 @@ def test_the_sweep_measures_at_least_twelve_distinct_points_around_the_plan(memo
     assert {c.kv for c in pts} == {p.choice.kv, *{c.kv for c in pts}} and len({c.kv for c in pts}) == 2
 
 
-def _doc(planned_tps: float, resident_tps: float, naive_tps: float, predicted_tps: float) -> dict:
+def _doc(planned_tps: float, resident_tps: float, naive_tps: float, predicted_tps: float, sweep: list[dict] | None = None) -> dict:
     plan = choose(_profile(), Generate(32, 64, 32), 1200 * MiB)
     pred = {"tokens_per_s": predicted_tps, "peak_bytes": 1000 * MiB}
     results = {"planned": {"tokens_per_s": planned_tps, "predicted": pred, "cap_peak_bytes": 1100 * MiB, "generated": 1024,
@@ -49,6 +49,8 @@ def _doc(planned_tps: float, resident_tps: float, naive_tps: float, predicted_tp
     doc = {"results": results, "workload": {"prompts": 32, "prompt_len": 64, "new_tokens": 32}, "memory_limit": 1200 * MiB,
            "model": {"layers": 12, "hidden": 2048, "dtype": "float32"}, "plan": plan.as_dict() | {"describe": plan.describe()}, "plan_s": 30.0}  # fmt: skip
     doc["summary"] = summarize(doc)
+    if sweep is not None:
+        doc["sweep"] = sweep
     return document(doc, title=None, command="gds-offload bench-plan", commit=None, machine={}, started=0.0)
 
 
@@ -63,6 +65,15 @@ def test_the_document_checks_each_target_and_names_the_bound_that_puts_one_out_o
     within = next(x for x in d["targets"] if x["target"].startswith("predicted tok/s"))
     assert within["met"] and within["value"] == pytest.approx(1 - (22 / 20 - 1))  # 1 - |p/m - 1|
     assert d["kind"] == "table" and len(d["table"]["rows"]) == 3 and d["table"]["rows"][0][-2] == "yes"
+
+
+def test_a_sweep_point_killed_over_the_cap_is_shown_with_its_shape_and_the_prediction_it_confirms() -> None:
+    shape = {"per_load": 1, "micro_batch": 32, "resident_layers": 2, "slots": 2, "kv": "drive"}
+    sweep = [{"choice": shape, "error": "killed by SIGKILL (out of memory)", "predicted_fits": False, "predicted_tokens_per_s": 18.0},
+                  {"choice": shape | {"resident_layers": 0}, "error": "timed out", "predicted_fits": True}]  # fmt: skip
+    rows = _doc(planned_tps=20.0, resident_tps=25.0, naive_tps=10.0, predicted_tps=22.0, sweep=sweep)["table"]["rows"][-2:]
+    assert rows[0][1] == "1 x 32, 2 res, 2 slots, KV drive" and rows[0][3] == "predicted over the cap; killed by SIGKILL (out of memory)"
+    assert rows[1][1] == "1 x 32, 0 res, 2 slots, KV drive" and rows[1][3] == "timed out"
 
 
 @pytest.mark.parametrize("predicted_tps", [30.0, 24.8, 15.0])

@@ -77,6 +77,22 @@ def test_targets_render_met_missed_and_out_of_reach(tmp_path: Path) -> None:
     assert "| absent | >= 1 | - | - | not run |" in page
 
 
+def test_a_bar_in_a_cell_is_escaped_and_the_plot_beside_the_result_is_shown(tmp_path: Path) -> None:
+    """``1 - |p/m - 1|`` in a target's name stays one cell; a result written elsewhere (``--out
+    /elsewhere/t.json``, its ``plot`` there) shows the PNG copied beside its JSON, and none if none is."""
+    results = tmp_path / "results"
+    results.mkdir()
+    doc = {"kind": "table", "title": "T", "command": "gds-offload t", "plot": "/elsewhere/t.png",
+           "table": {"columns": ["a|b"], "rows": [["x|y"]]}, "targets": [{"target": "1 - |p/m - 1|", "need": 0.8, "value": 0.9, "met": True}]}
+    (results / "t.json").write_text(json.dumps(doc))
+    page = render_page(load_sections(results), tmp_path, command="gds-offload report")
+    assert "| a\\|b |\n| --- |\n| x\\|y |" in page and "| 1 - \\|p/m - 1\\| | >= 0.8 | 0.90 | met |" in page
+    assert "t.png" not in page
+    (results / "t.png").write_bytes(b"png")
+    page = render_page(load_sections(results), tmp_path, command="gds-offload report")
+    assert "![T](results/t.png)" in page
+
+
 def test_readme_headline_is_spliced_between_its_markers(tmp_path: Path) -> None:
     """`gds-offload report` rewrites only the README's headline block, from the same result
     files as the page, and refuses a README without the markers."""

@@ -144,6 +144,8 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
     assert len(out.tokens) == 12 and all(t.shape == (4,) for t in out.tokens)
     with pytest.raises(ConfigError, match="differs from the plan"):
         load_streamed(skeleton, store, plan=plan, slots=plan.choice.slots + 1)
+    with pytest.raises(ConfigError, match="both choose the resident layers"):
+        load_streamed(skeleton, store, plan=plan, max_memory="8GiB")
 
 
 def test_the_finetune_profile_is_measured_from_the_store(store: Path) -> None:

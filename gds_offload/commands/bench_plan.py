@@ -208,11 +208,17 @@ def _table(doc: dict[str, Any]) -> dict[str, Any]:
         c = sw.get("choice") or {}
         rows.append([f"sweep {i + 1}{' (plan)' if sw.get('is_plan') else ''}",
                      f"{c.get('per_load')} x {c.get('micro_batch')}, {c.get('resident_layers')} res, {c.get('slots')} slots, KV {c.get('kv')}",
-                     str(sw.get("prompts_measured", "-")), _cell(sw.get("tokens_per_s")) if sw.get("tokens_per_s") else (sw.get("error") or "-")[:40],
+                     str(sw.get("prompts_measured", "-")), _cell(sw.get("tokens_per_s")) if sw.get("tokens_per_s") else _failed(sw),
                      _cell(sw.get("prefill_tokens_per_s"), "{:.1f}"), _cell(sw.get("decode_tokens_per_s")),
                      format_bytes(sw.get("cap_peak_bytes")), _cell(sw.get("predicted_tokens_per_s")), format_bytes(sw.get("predicted_peak_bytes")),
                      "-", "-", "-"])  # fmt: skip
     return {"columns": cols, "rows": rows}
+
+
+def _failed(sw: dict[str, Any]) -> str:
+    """A sweep point that did not finish: its error, and whether the cost model had said it would not fit."""
+    why = (sw.get("error") or "-")[:40]
+    return f"predicted over the cap; {why}" if sw.get("predicted_fits") is False else why
 
 
 def _plot(doc: dict[str, Any], path: Path) -> str | None:

@@ -1,8 +1,35 @@
 """The hooks of a :class:`~gds_offload.weights.stream.StreamedModel`, as a base class of it: a
 streamed layer's forward pre-hook and hook, the pass through the decoder, a recompute's bind and
 release, backward's copies out of the ring, and the layer-major team's hand-overs
-(:mod:`gds_offload.weights.schedule`). The contracts are the module doc of
-:mod:`gds_offload.weights.stream`'s; this module only keeps them apart from loading and the public API.
+(:mod:`gds_offload.weights.schedule`). Loading and the public API are :mod:`gds_offload.weights.stream`'s.
+
+Hook contracts (both run on the thread that calls the model, and may block it):
+
+* ``_pre(layer_module, args)``, a forward pre-hook on each streamed layer: waits for the
+  layer's fill (issued earlier; on CUDA, a stream wait where the fill is a copy), or, if
+  the layer is not the one predicted, waits for the fills in flight, drops them and
+  fills it now (a *miss*); points every parameter of the layer at its slot (views, no
+  copy); then starts filling the next layers into every free slot, in the order
+  :mod:`gds_offload.weights.prefetch` predicts (up the layers and around to the first, for
+  the next decode step; after a forward with grad mode on, the last layers stay for its
+  backward, or for a checkpointed forward's recompute, which goes down them).
+* ``_post(layer_module, args, output)``, a forward hook: puts the meta placeholders back
+  (a layer's parameters are real only during its forward), releases its slot (on CUDA:
+  records an event after the layer's queued kernels) and fills it with the next layer,
+  or keeps the layer there when the next pass starts with it.
+
+Invariant: a slot is written only while no layer's parameters view it and, on CUDA,
+only after the kernels of the last layer that used it have finished, so a layer always
+computes with exactly the bytes the store holds for it (``torch.equal`` to the resident
+model's outputs). With ``verify`` each read's xxh3-64 is checked on the engine thread
+before the layer may use it. A layer whose forward changes its streamed tensors in place
+(their version counter moved: BatchNorm statistics in train mode) raises ``OffloadError``
+after it: the resident model would keep the change, the store cannot.
+
+Interruptions: the hooks and the pass through the decoder hold stop signals
+(:mod:`gds_offload.weights.interrupts`) and deliver them where the ring is consistent; a
+read that fails frees its slot only once it has finished; a forward that ends in any
+exception (``KeyboardInterrupt`` too) leaves no layer bound. The next call is exact.
 """
 from __future__ import annotations
 

@@ -65,6 +65,16 @@ class Plan:
     def choice(self) -> Choice:
         return self.predicted.choice
 
+    def ring_shape(self, *, slots: int | None, resident_layers: int | None, max_memory: object) -> tuple[int, int]:
+        """``(slots, resident_layers)`` for :func:`~gds_offload.weights.stream.load_streamed`; an explicit argument must agree."""
+        c = self.choice
+        for name, given, planned in (("slots", slots, c.slots), ("resident_layers", resident_layers, c.resident_layers)):
+            if given is not None and given != planned:
+                raise ConfigError(f"{name}={given} differs from the plan's {name}={planned}; pass one or the other")
+        if max_memory is not None:
+            raise ConfigError("max_memory= and plan= both choose the resident layers; pass one or the other")
+        return c.slots, c.resident_layers
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["choice"] = asdict(self.choice)

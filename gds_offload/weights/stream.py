@@ -8,38 +8,19 @@ on a GPU) and, for its forward only, in one of ``slots`` preallocated ring buffe
 slot is filled and what orders a layer's kernels after its fill and before the slot's
 next fill, on the CPU and on CUDA).
 
-Hook contracts (both run on the thread that calls the model, and may block it):
-
-* ``_pre(layer_module, args)``, a forward pre-hook on each streamed layer: waits for the
-  layer's fill (issued earlier; on CUDA, a stream wait where the fill is a copy), or, if
-  the layer is not the one predicted, waits for the fills in flight, drops them and
-  fills it now (a *miss*); points every parameter of the layer at its slot (views, no
-  copy); then starts filling the next layers into every free slot, in the order
-  :mod:`gds_offload.weights.prefetch` predicts (up the layers and around to the first, for
-  the next decode step; after a forward with grad mode on, the last layers stay for its
-  backward, or for a checkpointed forward's recompute, which goes down them).
-* ``_post(layer_module, args, output)``, a forward hook: puts the meta placeholders back
-  (a layer's parameters are real only during its forward), releases its slot (on CUDA:
-  records an event after the layer's queued kernels) and fills it with the next layer,
-  or keeps the layer there when the next pass starts with it.
-
-Invariant: a slot is written only while no layer's parameters view it and, on CUDA,
-only after the kernels of the last layer that used it have finished, so a layer always
-computes with exactly the bytes the store holds for it (``torch.equal`` to the resident
-model's outputs). With ``verify`` each read's xxh3-64 is checked on the engine thread
-before the layer may use it. A layer whose forward changes its streamed tensors in place
-(their version counter moved: BatchNorm statistics in train mode) raises ``OffloadError``
-after it: the resident model would keep the change, the store cannot.
+The hooks' contracts, and the invariant that makes a streamed layer compute with exactly the bytes
+the store holds for it, are the module doc of :mod:`gds_offload.weights.layer_hooks`.
 
 ``tier="host"`` on the CPU: every layer is read once, at load, into host memory, and the
 parameters point straight at it (a copy into a ring would only move bytes the model can
 use where they are); nothing happens per forward.
 
 With grad mode on, a streamed layer's forward also runs under saved-tensor hooks
-(:mod:`gds_offload.weights.backward`): the weights autograd saves are read again for
-backward (or copied out of the slots still holding the forward's last layers) instead of
-pointing into a slot that is refilled, so gradients to the inputs and
-to trainable resident tensors equal the resident model's. The post-hook is registered with
+(:mod:`gds_offload.weights.backward`): autograd never keeps a view of a slot that is refilled.
+On host slots backward computes from the ring's own slots, lent layer by layer as it goes down
+(a slot is written again only once nothing holds it, else it gets a new buffer); otherwise the
+weights it saved are read again or copied out of the ring. Gradients to the inputs and to
+trainable resident tensors equal the resident model's. The post-hook is registered with
 ``always_call=True``, so a forward that raises still pops them and frees the slot. Hugging
 Face gradient checkpointing recomputes a layer without its module hooks: the layer's
 checkpointing function is wrapped to bind it then (:mod:`gds_offload.weights.recompute`).
@@ -58,11 +39,6 @@ time and hand over at every streamed layer's pre-hook (:mod:`gds_offload.weights
 the first member to reach layer ``k`` binds it, the others compute with the same slot, and the
 first to reach layer ``k + 1`` releases ``k`` (every member has passed it by then). The team's
 threads count as the model's one forward (:mod:`gds_offload.weights.turn`).
-
-Interruptions: the hooks and the pass through the decoder hold stop signals
-(:mod:`gds_offload.weights.interrupts`) and deliver them where the ring is consistent; a
-read that fails frees its slot only once it has finished; a forward that ends in any
-exception (``KeyboardInterrupt`` too) leaves no layer bound. The next call is exact.
 """
 from __future__ import annotations
 
@@ -161,23 +137,12 @@ def load_streamed(
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
     if plan is not None:
-        slots, resident_layers = _from_plan(plan, slots=slots, resident_layers=resident_layers, max_memory=max_memory)
+        slots, resident_layers = plan.ring_shape(slots=slots, resident_layers=resident_layers, max_memory=max_memory)
     options = StreamOptions.from_kwargs(device=device, tier=tier, slots=2 if slots is None else slots, resident_layers=resident_layers,
                                         max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
     lm = StreamedModel(model, store, options)
     lm.plan = plan
     return lm
-
-
-def _from_plan(plan: Plan, *, slots: int | None, resident_layers: int | None, max_memory: object) -> tuple[int, int]:
-    """``(slots, resident_layers)`` of ``plan``; an explicit argument must agree with it."""
-    c = plan.choice
-    for name, given, planned in (("slots", slots, c.slots), ("resident_layers", resident_layers, c.resident_layers)):
-        if given is not None and given != planned:
-            raise ConfigError(f"{name}={given} differs from the plan's {name}={planned}; pass one or the other")
-    if max_memory is not None:
-        raise ConfigError("max_memory= and plan= both choose the resident layers; pass one or the other")
-    return c.slots, c.resident_layers
 
 
 class StreamedModel(LayerHooks):

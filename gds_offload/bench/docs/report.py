@@ -269,8 +269,8 @@ def _generic(doc: dict[str, Any]) -> list[str]:
     if not isinstance(table, dict) or "columns" not in table:
         return ["(no table in this result file; see the JSON)"]
     cols = table["columns"]
-    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    out += ["| " + " | ".join(str(v) for v in row) + " |" for row in table["rows"]]
+    out = ["| " + " | ".join(_md(c) for c in cols) + " |", "|" + " --- |" * len(cols)]
+    out += ["| " + " | ".join(_md(v) for v in row) + " |" for row in table["rows"]]
     return out
 
 
@@ -297,8 +297,13 @@ def _targets(doc: dict[str, Any]) -> list[str]:
             verdict = "missed"
         cells = [str(t["target"]), f">= {t['need']:g}", "-" if value is None else f"{value:.2f}"]
         cells += ["-" if t.get(k) is None else f"{t[k]:.2f}" for k, _ in ceilings]
-        out.append("| " + " | ".join([*cells, verdict]) + " |")
+        out.append("| " + " | ".join(_md(c) for c in [*cells, verdict]) + " |")
     return out
+
+
+def _md(cell: object) -> str:
+    """A table cell: a ``|`` in it (``1 - |p/m - 1|``) would end the cell."""
+    return str(cell).replace("|", "\\|")
 
 
 def out_of_reach(target: dict[str, Any]) -> bool:
@@ -337,7 +342,10 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
     lines += _targets(doc)
     plot = Path(doc["plot"]) if doc.get("plot") else None
-    # A path from the repository root, as the command was run; only plots kept beside the page.
+    # A path from the repository root, as the command was run; only plots kept beside the page. A
+    # plot written elsewhere (--out /elsewhere/x.json) is the one copied beside its result file.
+    if plot is not None and not (plot.exists() and plot.resolve().is_relative_to(page_dir.resolve())):
+        plot = section.path.with_suffix(".png")
     if plot is not None and plot.exists() and plot.resolve().is_relative_to(page_dir.resolve()):
         lines += ["", f"![{section.title}]({os.path.relpath(plot, page_dir)})"]
     return lines + [""]

@@ -182,6 +182,7 @@ def _sweep(chosen: Plan, base: dict[str, Any], sweep_prompts: int, memory_limit:
         r = _child(base | {"mode": "sweep", "prompts": sweep_prompts, "measure_prompts": sweep_prompts, "choice": asdict(c) | {"kv": c.kv.value}},
                    memory_limit=memory_limit, timeout_s=timeout_s, say=say)  # fmt: skip
         e = estimate(chosen.profile, small, c, memory_limit)
+        r.setdefault("choice", asdict(c) | {"kv": c.kv.value})  # a child that died reported none
         r |= {"predicted_tokens_per_s": e.tokens_per_s, "predicted_peak_bytes": e.peak_nbytes, "predicted_fits": e.fits, "is_plan": c == small_plan.choice}
         rows.append(r)
     return small_plan.as_dict() | {"describe": small_plan.describe()}, rows
