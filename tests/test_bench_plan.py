@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from gds_offload.bench.weights.plan_bench import sweep_points
 from gds_offload.commands.bench_plan import document
@@ -105,3 +106,36 @@ def test_bench_plan_refuses_bad_flags_in_one_line_with_exit_2(tmp_path: Path, ar
 def test_sweep_points_never_exceed_the_models_layers() -> None:
     p = choose(_profile(layers=4), Generate(8, 16, 4), 4000 * MiB)
     assert all(c.resident_layers <= 4 for c in sweep_points(replace(p)))
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("new_generate_each_batch", [True, False])
+def test_the_phase_clock_counts_each_generates_first_passes_as_its_prefill(new_generate_each_batch: bool) -> None:
+    """Two ``generate`` calls of one prefill pass and two decode passes each, on a clock that moves
+    one unit per stamp: the second call's prefill is prefill too (the batched resident and naive
+    modes), not decode."""
+    from gds_offload.bench.weights.plan_child import PhaseClock
+
+    ticks = iter(range(100))
+    decoder = _Decoder()
+    clock = PhaseClock(decoder, list(decoder.layers), prefill_calls=1, clock=lambda: float(next(ticks)))
+    clock.start()
+    for _ in range(2):
+        if new_generate_each_batch:
+            clock.next_generate()
+        for _ in range(3):
+            decoder(torch.zeros(1))
+    clock.stop()
+    clock.remove()
+    # 13 stamps (two per pass, one at the stop): each prefill pass owns the 2 units up to the next pass
+    assert (clock.prefill_s, clock.decode_s) == ((4.0, 8.0) if new_generate_each_batch else (2.0, 10.0))

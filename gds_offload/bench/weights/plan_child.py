@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,9 @@ def make_prompts(vocab: int, spec: PlanChildSpec) -> list[Any]:
 class PhaseClock:
     """Wall time of a run split into prefill and decode (see the module doc)."""
 
-    def __init__(self, decoder: Any, layers: list[Any], prefill_calls: int) -> None:
+    def __init__(self, decoder: Any, layers: list[Any], prefill_calls: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.prefill_calls = prefill_calls
+        self._clock = clock
         self._calls: dict[int, int] = {}
         self._last: tuple[float, bool] | None = None
         self.prefill_s = self.decode_s = 0.0
@@ -88,6 +90,11 @@ class PhaseClock:
         self._calls.clear()
         self._last = None
 
+    def next_generate(self) -> None:
+        """A new ``generate`` call on this thread: its first ``prefill_calls`` passes are a prefill again."""
+        with self._lock:
+            self._calls.pop(threading.get_ident(), None)
+
     def _pass(self, *args: Any) -> None:
         me = threading.get_ident()
         with self._lock:
@@ -95,7 +102,7 @@ class PhaseClock:
         self._stamp()
 
     def _stamp(self, *args: Any) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         prefill = self._calls.get(threading.get_ident(), 1) <= self.prefill_calls
         with self._lock:
             if self._last is not None:
@@ -128,10 +135,11 @@ def _skeleton(store: Path) -> Any:
         return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
 
 
-def _batched(model: Any, prompts: list[Any], batch: int, new_tokens: int) -> list[list[int]]:
+def _batched(model: Any, prompts: list[Any], batch: int, new_tokens: int, clock: PhaseClock) -> list[list[int]]:
     out: list[list[int]] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch):
+            clock.next_generate()
             ids = torch.stack(prompts[start : start + batch])
             seqs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=0)  # fmt: skip
@@ -182,7 +190,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
     clock.start()
     start = time.perf_counter()
     if spec.mode in ("resident", "naive"):
-        tokens = _batched(model, prompts, spec.batch, spec.new_tokens)
+        tokens = _batched(model, prompts, spec.batch, spec.new_tokens, clock)
         result["batch"] = spec.batch
     else:
         assert lm is not None
