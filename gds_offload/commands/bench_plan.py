@@ -174,7 +174,7 @@ def document(doc: dict[str, Any], *, title: str | None, command: str, commit: st
     about = (f"A {m['layers']}-layer Llama-shaped model (hidden {m['hidden']}, {m['dtype']}, random weights), {w['prompts']} prompts of "
              f"{w['prompt_len']} tokens, {w['new_tokens']} new tokens each (greedy); streamed modes and peers under a "
              f"{format_bytes(doc['memory_limit'])} memory cap (cgroup v1, page cache included, the weights' cache dropped before each child); "
-             f"resident uncapped at its best batch (probed). Slow modes ran a subset of the prompts (the 'prompts' column): every batch of "
+             f"resident uncapped at the best of the batches probed ({', '.join(map(str, doc.get('resident_probes') or {})) or 'none'}). Slow modes ran a subset of the prompts (the 'prompts' column): every batch of "
              f"such a mode has the same shape, so its rate is the workload's. The plan: {doc['plan']['describe']}.")  # fmt: skip
     return {"kind": "table", "title": title or "Balance Beam's planner: layer-major generation under a memory cap (cpu)", "about": about,
             "command": command, "commit": commit, "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

@@ -44,7 +44,7 @@ __all__ = ["MODES", "run_bench_plan", "summarize", "sweep_points"]
 CHILD = "gds_offload.bench.weights.plan_child"
 MODES = ("planned", "naive", "resident", "sweep")
 #: Batch sizes the resident model is probed at (a few decode steps each) before its full run.
-RESIDENT_PROBES = (16, 32, 64, 128)
+RESIDENT_PROBES = (16, 32, 64, 128, 256, 512)  # up to the workload's prompts; it stops where a batch is slower
 #: The sweep measures at least this many configurations.
 SWEEP_POINTS = 12
 
