@@ -341,14 +341,21 @@ def render_section(section: Section, page_dir: Path) -> list[str]:
         lines[-1:-1] = [f"* memory: {'; '.join(sources)}"]
     lines += RENDERERS.get(_kind(doc), _generic)(doc)
     lines += _targets(doc)
-    plot = Path(doc["plot"]) if doc.get("plot") else None
-    # A path from the repository root, as the command was run; only plots kept beside the page. A
-    # plot written elsewhere (--out /elsewhere/x.json) is the one copied beside its result file.
-    if plot is not None and not (plot.exists() and plot.resolve().is_relative_to(page_dir.resolve())):
-        plot = section.path.with_suffix(".png")
-    if plot is not None and plot.exists() and plot.resolve().is_relative_to(page_dir.resolve()):
+    plot = _plot(doc, section.path, page_dir)
+    if plot is not None:
         lines += ["", f"![{section.title}]({os.path.relpath(plot, page_dir)})"]
     return lines + [""]
+
+
+def _plot(doc: dict[str, Any], result: Path, page_dir: Path) -> Path | None:
+    """The result's plot, if kept beside the page: its recorded path (from the repository root, as
+    the command was run), else the PNG copied beside ``result`` (a run written elsewhere)."""
+    if not doc.get("plot"):
+        return None
+    for plot in (Path(doc["plot"]), result.with_suffix(".png")):
+        if plot.exists() and plot.resolve().is_relative_to(page_dir.resolve()):
+            return plot
+    return None
 
 
 def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str:

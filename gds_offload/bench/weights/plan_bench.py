@@ -179,10 +179,11 @@ def _sweep(chosen: Plan, base: dict[str, Any], sweep_prompts: int, memory_limit:
     for i, c in enumerate(points):
         say(f"sweep {i + 1}/{len(points)}: {c.per_load} x {c.micro_batch}, {c.resident_layers} resident, {c.slots} slots, KV {c.kv.value}"
             f"{f', chunk {c.prefill_chunk}' if c.prefill_chunk else ''}")  # fmt: skip
-        r = _child(base | {"mode": "sweep", "prompts": sweep_prompts, "measure_prompts": sweep_prompts, "choice": asdict(c) | {"kv": c.kv.value}},
+        shape = asdict(c) | {"kv": c.kv.value}
+        r = _child(base | {"mode": "sweep", "prompts": sweep_prompts, "measure_prompts": sweep_prompts, "choice": shape},
                    memory_limit=memory_limit, timeout_s=timeout_s, say=say)  # fmt: skip
         e = estimate(chosen.profile, small, c, memory_limit)
-        r.setdefault("choice", asdict(c) | {"kv": c.kv.value})  # a child that died reported none
+        r.setdefault("choice", shape)  # a child that died reported none
         r |= {"predicted_tokens_per_s": e.tokens_per_s, "predicted_peak_bytes": e.peak_nbytes, "predicted_fits": e.fits, "is_plan": c == small_plan.choice}
         rows.append(r)
     return small_plan.as_dict() | {"describe": small_plan.describe()}, rows
