@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from gds_offload.weights import convert, load_streamed  # noqa: E402
 from gds_offload.weights.measure import measure  # noqa: E402
 from gds_offload.weights.options import KVPlacement  # noqa: E402
 from gds_offload.weights.planner import TIE, Choice, Fit, Generate, Profile, check_feasible, choose, estimate  # noqa: E402
+from gds_offload.weights.workload import profile_from  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -113,6 +114,22 @@ def test_scaling_compute_scales_the_prediction() -> None:
     assert replace(p, read_Bps=1e15) == p
 
 
+def test_three_measured_sizes_price_each_size_by_its_neighbours() -> None:
+    """A forward's cost per row changes with its size: with three sizes measured, a size is priced on
+    the line through the two nearest (beyond them, the outer pair's); the JSON form round-trips."""
+    f = Fit.through([(128, 0.177), (8, 0.035), (32, 0.061)])
+    assert f.knots == ((8.0, 0.035), (32.0, 0.061), (128.0, 0.177))
+    assert (f(8), f(32), f(128)) == pytest.approx((0.035, 0.061, 0.177))
+    assert f(20) == pytest.approx(0.035 + 12 * (0.061 - 0.035) / 24)
+    assert f(512) == pytest.approx(0.177 + 384 * (0.177 - 0.061) / 96)
+    line = Fit.through([(8, 0.035), (32, 0.061)])
+    assert line.knots == () and line(128) == pytest.approx(0.035 + 120 * (0.061 - 0.035) / 24)
+    assert abs(line(128) - 0.177) > 0.01, "a line through the small sizes misprices the large one"
+    p = _profile(decode=f)
+    assert profile_from(json.loads(json.dumps(asdict(p)))) == p
+    assert p.scaled(2.0).decode(64) == pytest.approx(2 * f(64))
+
+
 # -- measured on a tiny store ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def store() -> Iterator[Path]:
@@ -135,6 +152,7 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
     assert p.layers == 4 and p.hidden_nbytes == 64 * 4 and p.kv_nbytes == 2 * 2 * 16 * 4 and p.logits_nbytes == 256 * 4
     assert p.layer_nbytes >= max(g["nbytes"] for g in m["groups"] if g["name"].startswith("model.layers."))
     assert p.read_Bps > 0 and p.base_nbytes > 0 and p.prefill.per_row >= 0 and p.decode(8) > 0
+    assert len(p.prefill.knots) == 3, "prefill timed at 1, 4 and 12 prompts"
     plan = choose(p, w, 8 * GiB)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()

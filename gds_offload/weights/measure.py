@@ -5,10 +5,11 @@ The measurements run in a child process (``python -m gds_offload.weights.measure
 the memory it reports is the model's own, not whatever the caller's process holds:
 
 * the read rate: streamed layers read from the store through the ring's engine, outside the ring;
-* one layer's forward time, prefill (``b`` prompts of ``prompt_len`` tokens) and decode (``b``
-  sequences at the workload's mean context), at two or three sizes, and the head's: a forward
-  that stops after the first two streamed layers (the others are not computed), timed per layer
-  by the streamed model's own counters (``stats().compute_s``), reads in flight as in a real run;
+* one layer's forward time, prefill (1, 4 and 16 prompts of ``prompt_len`` tokens) and decode
+  (8, 32 and 128 sequences at the workload's mean context), each the median of three runs, and
+  the head's: a forward that stops after the first two streamed layers (the others are not
+  computed), timed per layer by the streamed model's own counters (``stats().compute_s``), reads
+  in flight as in a real run;
 * memory: the process's resident set after loading (the base), and its peak (``VmHWM``, reset
   before each forward) above that during each one, per token (prefill) or sequence (decode).
 
@@ -42,6 +43,9 @@ from gds_offload.weights.workload import Finetune, Fit, Profile, Workload, profi
 __all__ = ["measure", "main", "plan"]
 
 _TIMEOUT_S = 600
+#: Timed runs per size, after a warm-up: the median (one run's time varies by a tenth or more on a
+#: shared machine, enough to flip a choice between plans predicted within a few percent).
+_RUNS = 3
 
 
 def measure(
@@ -150,22 +154,23 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     prefill, decode = [], []
     cap = spec["prompts"]
-    for b in sorted({min(1, cap), min(4, cap)}):
+    for b in sorted({min(1, cap), min(4, cap), min(16, cap)}):
         _emit("progress", what=f"prefill of {b} x {prompt_len} tokens")
         ids = torch.randint(0, vocab, (b, prompt_len), device=device)
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
-        s, mem = two_layers(functools.partial(model, ids))
-        prefill.append((b * prompt_len, s, mem))
+        runs = [two_layers(functools.partial(model, ids)) for _ in range(_RUNS)]
+        prefill.append((b * prompt_len, statistics.median(s for s, _ in runs), max(m for _, m in runs)))
     ctx = prompt_len + new_tokens // 2
-    for b in sorted({min(8, cap), min(32, cap)}):
+    for b in sorted({min(8, cap), min(32, cap), min(128, cap)}):
         _emit("progress", what=f"decode of {b} sequences at {ctx} positions")
         ids = torch.randint(0, vocab, (b, 1), device=device)
         mask = torch.ones(b, ctx + 1, dtype=torch.long, device=device)
-        for _ in range(2):  # a warm-up, then the measured step (each on a cache of its own)
+        runs = []
+        for _ in range(1 + _RUNS):  # a warm-up, then the measured steps (each on a cache of its own)
             step = functools.partial(model, ids, attention_mask=mask, use_cache=True,
                                      **{cache_argument(): _random_cache(cfg, b, ctx, dtype, device)})
-            s, mem = two_layers(step)
-        decode.append((b, s, mem))
+            runs.append(two_layers(step))
+        decode.append((b, statistics.median(s for s, _ in runs[1:]), max(m for _, m in runs[1:])))
     stop.remove()
     head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
     text = cfg.get_text_config(decoder=True)

@@ -60,19 +60,38 @@ Workload = Generate | Finetune
 
 @dataclass(frozen=True)
 class Fit:
-    """Seconds of one layer's forward as ``fixed + per_row · rows`` (rows: tokens of a prefill, sequences of a decode step)."""
+    """Seconds of one layer's forward against rows (tokens of a prefill, sequences of a decode step).
+
+    With ``knots`` (the measured points, by rows), the line through the two nearest of them: a
+    forward's cost per row changes with its size (how well a GEMM of that many rows uses the cores),
+    so a line through small sizes misprices the large micro-batches a plan runs.
+    Without, ``fixed + per_row · rows``. ``fixed`` and ``per_row`` are always the least-squares line.
+    """
 
     fixed: float
     per_row: float
+    knots: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # From JSON the knots come as lists; kept as sorted tuples so that equal fits compare equal.
+        object.__setattr__(self, "knots", tuple(sorted((float(r), float(t)) for r, t in self.knots)))
 
     def __call__(self, rows: float) -> float:
-        return max(self.fixed + self.per_row * rows, 0.0)
+        k = self.knots
+        if len(k) < 2:
+            return max(self.fixed + self.per_row * rows, 0.0)
+        i = next((j for j in range(1, len(k) - 1) if rows <= k[j][0]), len(k) - 1)
+        (r0, t0), (r1, t1) = k[i - 1], k[i]
+        slope = max((t1 - t0) / (r1 - r0), 0.0) if r1 > r0 else 0.0
+        return max(t0 + slope * (rows - r0), 0.0)
 
     @classmethod
     def through(cls, points: list[tuple[float, float]]) -> Fit:
-        """Least squares through ``(rows, seconds)`` points (one point: a line through the origin)."""
+        """Through ``(rows, seconds)`` points: the least-squares line (one point: a line through the
+        origin), and the points as knots when there are three or more distinct sizes."""
         if not points:
             raise ConfigError("a time fit needs at least one measured point")
+        knots = tuple(points) if len({r for r, _ in points}) >= 3 else ()
         if len(points) == 1:
             rows, s = points[0]
             return cls(0.0, s / rows)
@@ -81,7 +100,11 @@ class Fit:
         my = sum(p[1] for p in points) / n
         var = sum((p[0] - mx) ** 2 for p in points)
         slope = sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else my / mx
-        return cls(max(my - slope * mx, 0.0), max(slope, 0.0))
+        return cls(max(my - slope * mx, 0.0), max(slope, 0.0), knots)
+
+    def scaled(self, factor: float) -> Fit:
+        """Every time multiplied by ``factor``."""
+        return Fit(self.fixed * factor, self.per_row * factor, tuple((r, t * factor) for r, t in self.knots))
 
 
 @dataclass(frozen=True)
@@ -119,11 +142,8 @@ class Profile:
     def scaled(self, compute: float) -> Profile:
         """This profile with every compute time multiplied by ``compute`` (a busier or idler machine)."""
 
-        def s(f: Fit) -> Fit:
-            return Fit(f.fixed * compute, f.per_row * compute)
-
-        return replace(self, prefill=s(self.prefill), decode=s(self.decode), head=s(self.head),
-                       train_forward=s(self.train_forward), train_backward=s(self.train_backward))  # fmt: skip
+        return replace(self, prefill=self.prefill.scaled(compute), decode=self.decode.scaled(compute), head=self.head.scaled(compute),
+                       train_forward=self.train_forward.scaled(compute), train_backward=self.train_backward.scaled(compute))  # fmt: skip
 
 
 @dataclass(frozen=True)
