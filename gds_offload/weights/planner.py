@@ -171,8 +171,7 @@ def choose(
     ring: tuple[int, int] | None = None,
 ) -> Plan:  # fmt: skip
     """The fastest choice for ``workload`` that fits ``memory`` bytes (see the module doc); among
-    those within :data:`TIE` of it, the one that moves the fewest bytes, then the simplest (KV in memory,
-    fewest micro-batches per load, smallest peak).
+    those within 1% of it, the simplest (KV in memory, fewest micro-batches per load, smallest peak).
     ``ring``: ``(resident_layers, slots)`` of a model already loaded (only the rest is chosen).
     Deterministic: a function of its arguments only.
 
@@ -229,21 +228,17 @@ def choose(
     return Plan(workload, memory, profile, best, tuple(alternatives), tuple(curve))
 
 
-#: Plans predicted within this share of the fastest count as as fast: the predictions are not finer
-#: than that (the benchmark's measured them within about a tenth, and two profiles of the same
-#: machine minutes apart differ as much).
-TIE = 0.1
+#: Plans within this share of the fastest count as as fast: the predictions are not finer than that.
+TIE = 0.01
 
 
 def _simplest_of_the_fastest(fitting: list[Estimate]) -> Estimate:
-    """Among the plans within :data:`TIE` of the fastest: the fewest bytes moved per token (moving
-    costs what the model leaves out: on a virtual machine ``O_DIRECT`` takes the cores' time, and
-    other jobs share the drive), then KV caches in memory (no drive traffic to go wrong),
-    then the fewest micro-batches per load (fewer threads), then the smallest peak."""
+    """Among the plans within :data:`TIE` of the fastest: KV caches in memory (no drive traffic to go
+    wrong), then the fewest micro-batches per load (fewer threads), then the smallest peak."""
     top = max(e.tokens_per_s for e in fitting)
     near = [e for e in fitting if e.tokens_per_s >= (1 - TIE) * top]
-    return min(near, key=lambda e: (e.bytes_read + e.bytes_written, e.choice.kv is not KVPlacement.DEVICE, e.choice.offload_activations,
-                                    e.choice.per_load, e.peak_nbytes, -e.tokens_per_s))  # fmt: skip
+    return min(near, key=lambda e: (e.choice.kv is not KVPlacement.DEVICE, e.choice.offload_activations, e.choice.per_load, e.peak_nbytes,
+                                    -e.tokens_per_s))  # fmt: skip
 
 
 def _larger_would_not_fit(best: Estimate, estimates: list[Estimate]) -> bool:
