@@ -114,6 +114,23 @@ def test_scaling_compute_scales_the_prediction() -> None:
     assert replace(p, read_Bps=1e15) == p
 
 
+def test_the_peak_is_the_larger_phase_not_the_prefills_transient_on_the_full_caches() -> None:
+    from gds_offload.weights.cost import peak_nbytes
+
+    p = _profile()
+    device, drive = (Choice(32, 1, 0, 2, kv, 16) for kv in (KVPlacement.DEVICE, KVPlacement.DRIVE))
+    short, longer = Generate(32, 64, 4), Generate(32, 64, 5)
+    # The prefill's transient (32 x 16 tokens x 100 kB) outweighs the decode's: a few more new tokens
+    # grow the caches the decode holds, not the peak.
+    assert peak_nbytes(p, short, device) == peak_nbytes(p, longer, device)
+    long_, longest = Generate(32, 64, 512), Generate(32, 64, 513)
+    # Once the decode's caches dominate, each new position adds every sequence's keys and values
+    # in every layer (and the growing copy of one micro-batch-layer's).
+    assert peak_nbytes(p, longest, device) - peak_nbytes(p, long_, device) == (32 * 12 + 32) * 4096
+    # On the drive only a few micro-batch-layers' worth are held: 3 copies plus the write in flight.
+    assert peak_nbytes(p, longest, drive) - peak_nbytes(p, long_, drive) == 3 * 32 * 4096
+
+
 def test_three_measured_sizes_price_each_size_by_its_neighbours() -> None:
     """A forward's cost per row changes with its size: with three sizes measured, a size is priced on
     the line through the two nearest (beyond them, the outer pair's); the JSON form round-trips."""

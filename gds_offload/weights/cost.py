@@ -92,23 +92,28 @@ def _layers(streamed: int, resident: int, compute: float, drive: float, kv_s: fl
 
 
 def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
-    """The predicted peak memory of ``c`` (see the module doc)."""
+    """The predicted peak memory of ``c``: the larger of the prefill's (the caches at the prompt's
+    length, a chunk's activations) and the decode's (the caches at full length, one position's)."""
     b = c.micro_batch
     seqs = min(w.prompts, c.in_flight)
-    positions = w.prompt_len + w.new_tokens
     chunk = min(c.prefill_chunk or w.prompt_len, w.prompt_len)
     weights = p.base_nbytes + c.resident_layers * p.layer_nbytes + min(c.slots, p.layers - c.resident_layers) * p.layer_nbytes
+    # Every sequence in flight holds two hidden states between layers: the one a layer takes, and
+    # the embeddings the decoder's forward keeps to its end (Hugging Face decoders keep ``inputs_embeds``).
+    prefill = _kv_nbytes(p, c, seqs, w.prompt_len, chunk) + 2 * seqs * chunk * p.hidden_nbytes + p.prefill_transient_nbytes * b * chunk
+    decode = _kv_nbytes(p, c, seqs, w.prompt_len + w.new_tokens, 1) + 2 * seqs * p.hidden_nbytes + p.decode_transient_nbytes * b
+    return int(weights + max(prefill, decode) + seqs * p.logits_nbytes)
+
+
+def _kv_nbytes(p: Profile, c: Choice, seqs: int, positions: int, new: int) -> int:
+    """The KV caches' memory once they hold ``positions`` positions, the last ``new`` just computed."""
+    b = c.micro_batch
     if c.kv is KVPlacement.DEVICE:
         # Every sequence's cache, plus the copy torch.cat makes of one micro-batch-layer's as it grows.
-        kv = seqs * positions * p.layers * p.kv_nbytes + b * positions * p.kv_nbytes
-    else:
-        # The micro-batch-layer read back, its cat with the new positions, and the next one read ahead.
-        kv = 3 * b * positions * p.kv_record_nbytes
-    prefill = seqs * chunk * p.hidden_nbytes + p.prefill_transient_nbytes * b * chunk
-    decode = seqs * p.hidden_nbytes + p.decode_transient_nbytes * b
-    return int(weights + kv + max(prefill, decode) + seqs * p.logits_nbytes)
-
-
+        return seqs * positions * p.layers * p.kv_nbytes + b * positions * p.kv_nbytes
+    # The micro-batch-layer read back, its cat with the new positions, the next one read ahead,
+    # and the new positions' write in flight (finished writes are let go: KVPool).
+    return (3 * positions + new) * b * p.kv_record_nbytes
 
 
 def estimate_finetune(profile: Profile, workload: Finetune, choice: Choice, memory_nbytes: int) -> Estimate:

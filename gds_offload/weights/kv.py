@@ -25,6 +25,7 @@ sliding-window and linear-attention layers, beam search (``reorder_cache``), ``c
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,12 @@ class KVPool:
             self._store.close()
             raise
         self._lengths = dict.fromkeys(self._regions, 0)
-        self._writes: dict[tuple[int, int], list[tuple[IOFuture, torch.Tensor]]] = {key: [] for key in self._regions}
+        # Writes in the order issued, each with the buffer it reads from (live until the write is done).
+        # Finished ones are dropped at every append, whichever region they wrote: kept until their
+        # own region's next touch, a full pass later, a prefill's writes of every micro-batch and
+        # layer would all be held at once (at 8 x 64 sequences and 16 positions a chunk, 384 MiB).
+        self._writes: deque[tuple[tuple[int, int], IOFuture, torch.Tensor]] = deque()
+        self._failed: dict[tuple[int, int], BaseException] = {}  # regions a write failed to
         self._ahead: tuple[tuple[int, int], int, IOFuture, torch.Tensor] | None = None  # (key, positions, read, buffer)
         self._closed = False
         #: Bytes read from and written to the drive.
@@ -167,7 +173,7 @@ class KVPool:
                 f"micro-batch {member}, layer {layer}: {start + new} positions in a KV region sized for {s.max_positions}; "
                 f"raise max_new_tokens' planned length"
             )
-        self._check_writes(key)
+        self._reap_writes()
         buf = aligned_host_buffer(new * s.record_nbytes)
         rec = buf[: new * s.record_nbytes].view(new, s.record_nbytes)[:, : s.position_nbytes].view(s.dtype)
         rec = rec.view(new, 2, s.batch, s.kv_heads, s.head_dim)
@@ -176,9 +182,15 @@ class KVPool:
         region = self._regions[key]
         slot = Slot(region.file, region.offset + start * s.record_nbytes, new * s.record_nbytes)
         future = self.engine.write(buf[: new * s.record_nbytes], slot)
-        self._writes[key].append((future, buf))  # the buffer lives until the write is done
+        self._writes.append((key, future, buf))
         self._lengths[key] = start + new
         self.bytes_written += new * s.record_nbytes
+
+    @property
+    def write_nbytes_held(self) -> int:
+        """Bytes of buffers held for writes not yet known to be done (what the pool holds beyond
+        the cache read back and the one read ahead)."""
+        return sum(buf.numel() for _, _, buf in self._writes)
 
     def length(self, member: int, layer: int) -> int:
         return self._lengths[(member, layer)]
@@ -202,14 +214,14 @@ class KVPool:
         if self._ahead is not None:
             self._ahead[2].error()
             self._ahead = None
-        for writes in self._writes.values():
-            for future, _ in writes:
-                future.error()
+        for _, future, _ in self._writes:
+            future.error()
+        self._writes.clear()
         self._store.close()
 
     # -- internals ----------------------------------------------------------------------------
     def _read(self, key: tuple[int, int], positions: int) -> tuple[IOFuture, torch.Tensor]:
-        self._check_writes(key, wait=True)  # a read after a write of the same region sees it
+        self._wait_writes(key)
         s = self.shapes[key[0]]
         nbytes = positions * s.record_nbytes
         buf = aligned_host_buffer(nbytes) if self.device.type == "cpu" else _device_buffer(nbytes, self.device)
@@ -217,19 +229,33 @@ class KVPool:
         self.bytes_read += nbytes
         return self.engine.read(buf[:nbytes], Slot(region.file, region.offset, nbytes)), buf
 
-    def _check_writes(self, key: tuple[int, int], *, wait: bool = False) -> None:
-        """Drop the finished writes of ``key``'s region (all of them, with ``wait``); raise the first failure."""
-        kept = []
-        for future, buf in self._writes[key]:
-            if wait:
+    def _wait_writes(self, key: tuple[int, int]) -> None:
+        """Wait for ``key``'s writes (a read after a write of the same region sees it); raise the first failure."""
+        for k, future, _ in self._writes:
+            if k == key:
                 wait_done(future)
-            if not future.done():
-                kept.append((future, buf))
-                continue
-            failure = future.error()
-            if failure is not None:
-                raise OffloadError(f"writing the KV cache of micro-batch {key[0]}, layer {key[1]} to the drive failed: {failure}") from failure
-        self._writes[key] = kept
+                self._settle(k, future)
+        self._raise_if_failed(key)
+        self._reap_writes()
+
+    def _reap_writes(self) -> None:
+        """Drop the finished writes from the front of the queue (writes finish about in the order
+        issued); raise a failed one's error."""
+        while self._writes and self._writes[0][1].done():
+            key, future, _ = self._writes.popleft()
+            self._settle(key, future)
+
+    def _settle(self, key: tuple[int, int], future: IOFuture) -> None:
+        """Record a finished write's failure against its region, and raise it."""
+        failure = future.error()
+        if failure is not None:
+            self._failed.setdefault(key, failure)
+        self._raise_if_failed(key)
+
+    def _raise_if_failed(self, key: tuple[int, int]) -> None:
+        failure = self._failed.get(key)
+        if failure is not None:  # once a write failed, the region is never read back as if whole
+            raise OffloadError(f"writing the KV cache of micro-batch {key[0]}, layer {key[1]} to the drive failed: {failure}") from failure
 
     def _unpack(self, s: KVShape, buf: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         rec = buf[: positions * s.record_nbytes].view(positions, s.record_nbytes)[:, : s.position_nbytes].view(s.dtype)

@@ -22,10 +22,17 @@ overlaps a layer's reads with the previous layer's compute; ``slots = 1`` does n
 * the step takes ``max(C, D)`` per streamed layer (``C + D`` with one slot), ``C`` (+ KV traffic)
   per resident layer, plus ``n`` times the head.
 
-The memory model (peak, on the model's device; on the CPU, the process's resident memory):
-the measured base (process, resident group), the resident layers, the ring, the KV caches
-(all of them in memory, or a few micro-batch-layers' worth when on the drive), every sequence's
-hidden state between layers, and one micro-batch's measured transient peak inside a layer.
+The memory model (peak, on the model's device; on the CPU, the process's anonymous memory, which
+a memory limit cannot reclaim): the measured base (process, resident group), the resident layers,
+the ring, and the larger of two phases:
+
+* the prefill's: the KV caches at the prompt's length; every sequence's hidden states for a chunk,
+  two of them (a layer's input, and the embeddings the decoder's forward keeps); one
+  micro-batch's measured transient peak inside a layer, at a chunk;
+* the decode's: the same with the caches at full length and one position.
+
+The KV caches are all in memory, or on the drive a few micro-batch-layers' worth (read back,
+grown, read ahead, and the write in flight).
 """
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ class Profile:
     kv_record_nbytes: int  #: the same, 4 KiB-aligned per micro-batch row group, on the drive (per sequence, rounded up)
     logits_nbytes: int  #: one sequence's logits for one position
     read_Bps: float  #: the engine's read rate from the store's drive
-    base_nbytes: int  #: memory of the process with the resident group loaded, before any forward (ring excluded)
+    base_nbytes: int  #: memory of the process with the resident group loaded, before any forward (ring excluded; on the CPU, anonymous memory: file pages are reclaimable)
     prefill: Fit  #: one layer's prefill time against tokens
     decode: Fit  #: one layer's decode-step time against sequences (at the workload's mean context)
     head: Fit  #: the head's time against sequences (one position each)
