@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,34 +109,73 @@ def test_sweep_points_never_exceed_the_models_layers() -> None:
     assert all(c.resident_layers <= 4 for c in sweep_points(replace(p)))
 
 
+class _Cache:
+    def __init__(self) -> None:
+        self.positions = 0
+
+    def get_seq_length(self) -> int:
+        return self.positions
+
+
 class _Decoder(torch.nn.Module):
+    """One identity layer; a forward of ``input_ids`` grows ``cache`` by their positions, as a decoder does."""
+
     def __init__(self) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList([torch.nn.Identity()])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: _Cache) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
-        return x
+            input_ids = layer(input_ids)
+        cache.positions += input_ids.shape[1]
+        return input_ids
 
 
-@pytest.mark.parametrize("new_generate_each_batch", [True, False])
-def test_the_phase_clock_counts_each_generates_first_passes_as_its_prefill(new_generate_each_batch: bool) -> None:
-    """Two ``generate`` calls of one prefill pass and two decode passes each, on a clock that moves
-    one unit per stamp: the second call's prefill is prefill too (the batched resident and naive
-    modes), not decode."""
+def test_the_phase_clock_splits_by_position_whatever_thread_runs_each_pass() -> None:
+    """Two generations of a 4-token prompt, prefilled in chunks of 2 then two decode passes, each
+    on a new thread (layer-major teams do; the idents may repeat), on a clock that moves one unit
+    per stamp: every chunk is prefill, every step after the prompt decode."""
     from gds_offload.bench.weights.plan_child import PhaseClock
 
     ticks = iter(range(100))
     decoder = _Decoder()
-    clock = PhaseClock(decoder, list(decoder.layers), prefill_calls=1, clock=lambda: float(next(ticks)))
+    clock = PhaseClock(decoder, list(decoder.layers), prompt_len=4, clock=lambda: float(next(ticks)))
     clock.start()
+
+    def generate() -> None:
+        cache = _Cache()
+        for width in (2, 2, 1, 1):
+            decoder(torch.zeros(1, width), cache=cache)
+
     for _ in range(2):
-        if new_generate_each_batch:
-            clock.next_generate()
-        for _ in range(3):
-            decoder(torch.zeros(1))
+        t = threading.Thread(target=generate)
+        t.start()
+        t.join()
     clock.stop()
     clock.remove()
-    # 13 stamps (two per pass, one at the stop): each prefill pass owns the 2 units up to the next pass
-    assert (clock.prefill_s, clock.decode_s) == ((4.0, 8.0) if new_generate_each_batch else (2.0, 10.0))
+    # 17 stamps (two per pass, one at the stop): each pass owns the 2 units up to the next pass
+    assert (clock.prefill_s, clock.decode_s) == (8.0, 8.0)
+
+
+def test_the_phase_clock_reads_a_hugging_face_decoders_positions() -> None:
+    """``generate`` of a Llama from a config, a 4-token prompt prefilled 2 positions at a time and
+    3 new tokens: two prefill passes and two decode passes (the first token comes from the
+    prefill), three stamps each on a clock that moves one unit per stamp."""
+    import transformers
+
+    from gds_offload.bench.weights.plan_child import PhaseClock
+
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ticks = iter(range(100))
+    decoder = model.get_decoder()
+    clock = PhaseClock(decoder, list(decoder.layers), prompt_len=4, clock=lambda: float(next(ticks)))
+    clock.start()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                   pad_token_id=0, prefill_chunk_size=2)  # fmt: skip
+    clock.stop()
+    clock.remove()
+    assert (clock.prefill_s, clock.decode_s) == (6.0, 6.0)

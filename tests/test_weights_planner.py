@@ -54,6 +54,20 @@ def test_compute_hides_the_reads_once_enough_sequences_share_a_load() -> None:
     assert many.tokens_per_s > 4 * one.tokens_per_s
 
 
+def test_a_chunked_prefill_prices_its_first_chunk_as_a_prompt_and_the_others_on_a_cache() -> None:
+    """A chunk on a cache costs 2 ms per token against a whole prompt's 1 ms: 64 positions in chunks
+    of 16 at 32 sequences per load (no read, no KV traffic: compute-bound, one resident layer set)
+    are one chunk at 1 ms and three at 2 ms per token, per layer."""
+    p = _profile(layers=1, read_Bps=1e15, prefill_chunked=Fit(0.0, 2e-3), head=Fit(0.0, 0.0))
+    w = Generate(prompts=32, prompt_len=64, new_tokens=1)
+    chunked = estimate(p, w, Choice(32, 1, 1, 2, KVPlacement.DEVICE, prefill_chunk=16), 64 * GiB)
+    assert chunked.prefill_s == pytest.approx(32 * 16 * 1e-3 + 3 * 32 * 16 * 2e-3)
+    whole = estimate(p, w, Choice(32, 1, 1, 2, KVPlacement.DEVICE), 64 * GiB)
+    assert whole.prefill_s == pytest.approx(32 * 64 * 1e-3)
+    # Without a chunked fit, every chunk is priced as a prompt's tokens.
+    assert estimate(replace(p, prefill_chunked=None), w, chunked.choice, 64 * GiB).prefill_s == pytest.approx(whole.prefill_s)
+
+
 def test_the_choice_is_the_fastest_that_fits_and_says_why_the_others_lost() -> None:
     p = _profile()
     plan = choose(p, W, 2 * GiB)
@@ -170,6 +184,7 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
     assert p.layer_nbytes >= max(g["nbytes"] for g in m["groups"] if g["name"].startswith("model.layers."))
     assert p.read_Bps > 0 and p.base_nbytes > 0 and p.prefill.per_row >= 0 and p.decode(8) > 0
     assert len(p.prefill.knots) == 3, "prefill timed at 1, 4 and 12 prompts"
+    assert p.prefill_chunked is not None and p.prefill_chunked(16) > 0, "a chunk on a cache timed apart"
     plan = choose(p, w, 8 * GiB)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()

@@ -102,8 +102,9 @@ def _render(plan: Plan) -> None:
                       f"{p.train_forward.per_row * 1e3:.3f} ms/token, backward {p.train_backward.per_row * 1e3:.3f} ms/token, "
                       f"{format_bytes(p.saved_nbytes)} saved per token; base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
     else:
+        chunked = f" ({p.prefill_chunked.per_row * 1e3:.3f} in a chunk on a cache)" if p.prefill_chunked is not None else ""
         console.print(f"measured: read {p.read_Bps / 1e9:.2f} GB/s; a layer {format_bytes(p.layer_nbytes)}: prefill "
-                      f"{p.prefill.per_row * 1e3:.3f} ms/token, decode {p.decode.fixed * 1e3:.1f} ms + {p.decode.per_row * 1e3:.3f} ms/sequence; "
+                      f"{p.prefill.per_row * 1e3:.3f} ms/token{chunked}, decode {p.decode.fixed * 1e3:.1f} ms + {p.decode.per_row * 1e3:.3f} ms/sequence; "
                       f"base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
     from gds_offload.weights.planner import variant
 

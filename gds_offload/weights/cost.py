@@ -41,7 +41,8 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
             step = min(chunk, w.prompt_len - done)
             kv_r = seqs * done * p.kv_record_nbytes if drive_kv else 0
             kv_w = seqs * step * p.kv_record_nbytes if drive_kv else 0
-            wave.step(p, streamed, c, compute=n * p.prefill(b * step), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
+            fit = p.prefill if done == 0 or p.prefill_chunked is None else p.prefill_chunked  # the first chunk has no cache
+            wave.step(p, streamed, c, compute=n * fit(b * step), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
             done += step
         for step in range(1, w.new_tokens):
             ctx = w.prompt_len + step

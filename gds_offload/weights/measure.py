@@ -5,8 +5,10 @@ The measurements run in a child process (``python -m gds_offload.weights.measure
 the memory it reports is the model's own, not whatever the caller's process holds:
 
 * the read rate: streamed layers read from the store through the ring's engine, outside the ring;
-* one layer's forward time, prefill (1, 4 and 16 prompts of ``prompt_len`` tokens) and decode
-  (8, 32 and 128 sequences at the workload's mean context), each the median of three runs, and
+* one layer's forward time, prefill (1, 4 and 16 prompts of ``prompt_len`` tokens; and 1, 4 and 8
+  prompts' tokens in chunks of a quarter prompt on a cache of a chunked prefill's mean length: a
+  chunk after the first) and decode (8, 32 and 128 sequences at the workload's mean context), each the
+  median of three runs, and
   the head's: a forward that stops after the first two streamed layers (the others are not
   computed), timed per layer by the streamed model's own counters (``stats().compute_s``), reads
   in flight as in a real run;
@@ -160,17 +162,27 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
         runs = [two_layers(functools.partial(model, ids)) for _ in range(_RUNS)]
         prefill.append((b * prompt_len, statistics.median(s for s, _ in runs), max(m for _, m in runs)))
+    def on_cache(b: int, width: int, past: int) -> tuple[float, int]:
+        """``width`` new positions of ``b`` sequences on ``past`` cached: the median seconds and the
+        largest peak of the measured runs, after a warm-up (each run on a cache of its own)."""
+        ids = torch.randint(0, vocab, (b, width), device=device)
+        mask = torch.ones(b, past + width, dtype=torch.long, device=device)
+        runs = [two_layers(functools.partial(model, ids, attention_mask=mask, use_cache=True,
+                                             **{cache_argument(): _random_cache(cfg, b, past, dtype, device)}))
+                for _ in range(1 + _RUNS)]  # fmt: skip
+        return statistics.median(s for s, _ in runs[1:]), max(m for _, m in runs[1:])
+
+    chunked = []
+    if prompt_len >= 2:  # a chunk after the first: positions on a cache of the prompt's earlier ones
+        chunk = max(prompt_len // 4, 1)
+        past = max((prompt_len - chunk) // 2, 1)  # a chunked prefill's mean cache
+        for b in sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)}):  # up to half the largest whole prompts' tokens
+            _emit("progress", what=f"prefill chunks of {b} x {chunk} tokens on {past} cached")
+            chunked.append((b * chunk, on_cache(b, chunk, past)[0]))
     ctx = prompt_len + new_tokens // 2
     for b in sorted({min(8, cap), min(32, cap), min(128, cap)}):
         _emit("progress", what=f"decode of {b} sequences at {ctx} positions")
-        ids = torch.randint(0, vocab, (b, 1), device=device)
-        mask = torch.ones(b, ctx + 1, dtype=torch.long, device=device)
-        runs = []
-        for _ in range(1 + _RUNS):  # a warm-up, then the measured steps (each on a cache of its own)
-            step = functools.partial(model, ids, attention_mask=mask, use_cache=True,
-                                     **{cache_argument(): _random_cache(cfg, b, ctx, dtype, device)})
-            runs.append(two_layers(step))
-        decode.append((b, statistics.median(s for s, _ in runs[1:]), max(m for _, m in runs[1:])))
+        decode.append((b, *on_cache(b, 1, ctx)))
     stop.remove()
     head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
     text = cfg.get_text_config(decoder=True)
@@ -190,11 +202,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "read_Bps": nbytes / seconds,
         "base_nbytes": base,
         "prefill": vars(Fit.through([(r, s) for r, s, _ in prefill])),
+        "prefill_chunked": vars(Fit.through(chunked)) if chunked else None,
         "decode": vars(Fit.through([(r, s) for r, s, _ in decode])),
         "head": vars(Fit.through(head)),
         "prefill_transient_nbytes": max(m / r for r, _, m in prefill),
         "decode_transient_nbytes": max(m / r for r, _, m in decode),
-        "measured": {"prefill": prefill, "decode": decode, "head": head, "read": [nbytes, seconds]},
+        "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "read": [nbytes, seconds]},
     }
 
 

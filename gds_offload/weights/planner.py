@@ -16,8 +16,9 @@ The time model, per streamed layer and step of a wave of ``n`` micro-batches (``
 overlaps a layer's reads with the previous layer's compute; ``slots = 1`` does not):
 
 * compute ``C = n · t(b)``: the profile's per-layer forward time at ``b`` sequences (prefill:
-  ``b · chunk`` tokens; a decode step: ``b`` tokens at the mean context), interpolated between the
-  sizes measured (:class:`Fit`: a forward's cost per row changes with its size);
+  ``b · chunk`` tokens, a whole prompt's forward for the first chunk and a chunk's on a cache for
+  the others; a decode step: ``b`` tokens at the mean context), interpolated between the sizes
+  measured (:class:`Fit`: a forward's cost per row changes with its size);
 * drive ``D = (layer bytes + n · KV bytes read + n · KV bytes written) / read rate``;
 * the step takes ``max(C, D)`` per streamed layer (``C + D`` with one slot), ``C`` (+ KV traffic)
   per resident layer, plus ``n`` times the head.

@@ -128,6 +128,10 @@ class Profile:
     prefill_transient_nbytes: float  #: one micro-batch's peak inside a layer, per prefill token
     decode_transient_nbytes: float  #: the same per decode sequence
     write_Bps: float = 0.0  #: the drive's write rate (0: same as read_Bps)
+    #: One layer's forward of a prefill chunk after the first (positions on a cache of earlier ones)
+    #: against tokens; ``None``: priced as a whole prompt's (:attr:`prefill`). Measured apart: attending
+    #: to a cache and growing it cost per token what a whole prompt's causal forward does not.
+    prefill_chunked: Fit | None = None
     #: Fine-tuning (measured with LoRA adapters): one layer's forward with grad and its backward, against tokens.
     train_forward: Fit = Fit(0.0, 0.0)
     train_backward: Fit = Fit(0.0, 0.0)
@@ -142,7 +146,8 @@ class Profile:
     def scaled(self, compute: float) -> Profile:
         """This profile with every compute time multiplied by ``compute`` (a busier or idler machine)."""
 
-        return replace(self, prefill=self.prefill.scaled(compute), decode=self.decode.scaled(compute), head=self.head.scaled(compute),
+        chunked = self.prefill_chunked.scaled(compute) if self.prefill_chunked is not None else None
+        return replace(self, prefill=self.prefill.scaled(compute), prefill_chunked=chunked, decode=self.decode.scaled(compute), head=self.head.scaled(compute),
                        train_forward=self.train_forward.scaled(compute), train_backward=self.train_backward.scaled(compute))  # fmt: skip
 
 
@@ -190,7 +195,7 @@ class Estimate:
 def profile_from(d: dict[str, Any]) -> Profile:
     """A :class:`Profile` from its JSON form (``asdict``)."""
     fields: dict[str, Any] = dict(d)
-    for k in ("prefill", "decode", "head", "train_forward", "train_backward"):
-        if k in fields:
+    for k in ("prefill", "prefill_chunked", "decode", "head", "train_forward", "train_backward"):
+        if fields.get(k) is not None:
             fields[k] = Fit(**fields[k])
     return Profile(**fields)

@@ -15,12 +15,12 @@ every batch of a mode has the same shape, so its rate is the workload's):
 
 Time is split into prefill and decode by the layer that runs: hooks on every decoder layer stamp
 each layer call; the time from one stamp to the next goes to the phase of the micro-batch that
-made the first (the first ``ceil(prompt_len / chunk)`` forwards of a ``generate`` are its prefill).
+made the first: a decoder forward is a prefill's while the positions it ends at (those cached before
+and its own) are within the prompt.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -77,33 +77,34 @@ def make_prompts(vocab: int, spec: PlanChildSpec) -> list[Any]:
 class PhaseClock:
     """Wall time of a run split into prefill and decode (see the module doc)."""
 
-    def __init__(self, decoder: Any, layers: list[Any], prefill_calls: int, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.prefill_calls = prefill_calls
+    def __init__(self, decoder: Any, layers: list[Any], prompt_len: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.prompt_len = prompt_len
         self._clock = clock
-        self._calls: dict[int, int] = {}
+        self._prefill: dict[int, bool] = {}  # each thread's last decoder pass: a prefill's
         self._last: tuple[float, bool] | None = None
         self.prefill_s = self.decode_s = 0.0
         self._lock = threading.Lock()
-        self._handles = [decoder.register_forward_pre_hook(self._pass)] + [layer.register_forward_pre_hook(self._stamp) for layer in layers]
+        self._handles = [decoder.register_forward_pre_hook(self._pass, with_kwargs=True)]
+        self._handles += [layer.register_forward_pre_hook(self._stamp) for layer in layers]
 
     def start(self) -> None:
-        self._calls.clear()
+        self._prefill.clear()
         self._last = None
 
-    def next_generate(self) -> None:
-        """A new ``generate`` call on this thread: its first ``prefill_calls`` passes are a prefill again."""
+    def _pass(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # By position, not by count of passes: layer-major teams run on threads whose idents repeat.
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs["inputs_embeds"]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if cache is not None else 0
         with self._lock:
-            self._calls.pop(threading.get_ident(), None)
-
-    def _pass(self, *args: Any) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            self._calls[me] = self._calls.get(me, 0) + 1
+            self._prefill[threading.get_ident()] = past + x.shape[1] <= self.prompt_len
         self._stamp()
 
     def _stamp(self, *args: Any) -> None:
         now = self._clock()
-        prefill = self._calls.get(threading.get_ident(), 1) <= self.prefill_calls
+        prefill = self._prefill.get(threading.get_ident(), True)
         with self._lock:
             if self._last is not None:
                 t, was_prefill = self._last
@@ -139,7 +140,6 @@ def _batched(model: Any, prompts: list[Any], batch: int, new_tokens: int, clock:
     out: list[list[int]] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch):
-            clock.next_generate()
             ids = torch.stack(prompts[start : start + batch])
             seqs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=0)  # fmt: skip
@@ -185,8 +185,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
                 ref_out.append(seqs[:, len(ids[0]) :].tolist())
         return result | {"reference_tokens": ref_out}
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    chunk = (choice.prefill_chunk if spec.mode in ("planned", "sweep") else None) or spec.prompt_len
-    clock = PhaseClock(decoder, list(decoder.layers), prefill_calls=math.ceil(spec.prompt_len / chunk))
+    clock = PhaseClock(decoder, list(decoder.layers), spec.prompt_len)
     clock.start()
     start = time.perf_counter()
     if spec.mode in ("resident", "naive"):
