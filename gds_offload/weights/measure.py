@@ -7,11 +7,10 @@ the memory it reports is the model's own, not whatever the caller's process hold
 * the read rate: streamed layers read from the store through the ring's engine, outside the ring;
 * one layer's forward time, prefill (1, 4 and 16 prompts of ``prompt_len`` tokens; and 1, 4 and 8
   prompts' tokens in chunks of a quarter prompt on a cache of a chunked prefill's mean length: a
-  chunk after the first) and decode (8, 32 and 128 sequences at the workload's mean context), each the
-  median of three runs, and
-  the head's: a forward that stops after the first two streamed layers (the others are not
-  computed), timed per layer by the streamed model's own counters (``stats().compute_s``), reads
-  in flight as in a real run;
+  chunk after the first) and decode (8, 32 and 128 sequences at the workload's mean context), each
+  the median of three runs, and the head's: a forward that stops after the first two streamed
+  layers (the others are not computed), timed per layer by the streamed model's own counters
+  (``stats().compute_s``), reads in flight as in a real run;
 * memory: the process's resident set after loading (the base), and its peak (``VmHWM``, reset
   before each forward) above that during each one, per token (prefill) or sequence (decode).
 
@@ -162,6 +161,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
         runs = [two_layers(functools.partial(model, ids)) for _ in range(_RUNS)]
         prefill.append((b * prompt_len, statistics.median(s for s, _ in runs), max(m for _, m in runs)))
+
     def on_cache(b: int, width: int, past: int) -> tuple[float, int]:
         """``width`` new positions of ``b`` sequences on ``past`` cached: the median seconds and the
         largest peak of the measured runs, after a warm-up (each run on a cache of its own)."""
