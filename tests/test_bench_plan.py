@@ -70,12 +70,12 @@ def test_the_document_checks_each_target_and_names_the_bound_that_puts_one_out_o
 
 
 def test_a_sweep_point_killed_over_the_cap_is_shown_with_its_shape_and_the_prediction_it_confirms() -> None:
-    shape = {"per_load": 1, "micro_batch": 32, "resident_layers": 2, "slots": 2, "kv": "drive"}
+    shape = {"per_load": 1, "micro_batch": 32, "resident_layers": 2, "slots": 2, "kv": "drive", "prefill_chunk": 16}
     sweep = [{"choice": shape, "error": "killed by SIGKILL (out of memory)", "predicted_fits": False, "predicted_tokens_per_s": 18.0},
-                  {"choice": shape | {"resident_layers": 0}, "error": "timed out", "predicted_fits": True}]  # fmt: skip
+                  {"choice": shape | {"resident_layers": 0, "prefill_chunk": None}, "error": "timed out", "predicted_fits": True}]  # fmt: skip
     rows = _doc(planned_tps=20.0, resident_tps=25.0, naive_tps=10.0, predicted_tps=22.0, sweep=sweep)["table"]["rows"][-2:]
-    assert rows[0][1] == "1 x 32, 2 res, 2 slots, KV drive" and rows[0][3] == "predicted over the cap; killed by SIGKILL (out of memory)"
-    assert rows[1][1] == "1 x 32, 0 res, 2 slots, KV drive" and rows[1][3] == "timed out"
+    assert rows[0][1] == "1 x 32, 2 res, 2 slots, KV drive, chunk 16" and rows[0][3] == "predicted over the cap; killed by SIGKILL (out of memory)"
+    assert rows[1][1] == "1 x 32, 0 res, 2 slots, KV drive, whole prompts" and rows[1][3] == "timed out"
 
 
 @pytest.mark.parametrize("predicted_tps", [30.0, 24.8, 15.0])

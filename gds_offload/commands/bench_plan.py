@@ -195,7 +195,7 @@ def _table(doc: dict[str, Any]) -> dict[str, Any]:
             rows.append([mode, "-", "-", res["error"][:60], *["-"] * (len(cols) - 4)])
             continue
         c = res.get("choice")
-        shape = f"{c['per_load']} x {c['micro_batch']}, {c['resident_layers']} res, KV {c['kv']}" if c else f"batch {res.get('batch', '-')}"
+        shape = _shape(c) if c else f"batch {res.get('batch', '-')}"
         pr = res.get("predicted") or {}
         gen = res.get("generated") or 0
         rows.append([mode, shape, str(res.get("prompts_measured", "-")), _cell(res.get("tokens_per_s")), _cell(res.get("prefill_tokens_per_s"), "{:.1f}"),
@@ -207,12 +207,19 @@ def _table(doc: dict[str, Any]) -> dict[str, Any]:
     for i, sw in enumerate(doc.get("sweep") or []):
         c = sw.get("choice") or {}
         rows.append([f"sweep {i + 1}{' (plan)' if sw.get('is_plan') else ''}",
-                     f"{c.get('per_load')} x {c.get('micro_batch')}, {c.get('resident_layers')} res, {c.get('slots')} slots, KV {c.get('kv')}",
+                     _shape(c),
                      str(sw.get("prompts_measured", "-")), _cell(sw.get("tokens_per_s")) if sw.get("tokens_per_s") else _failed(sw),
                      _cell(sw.get("prefill_tokens_per_s"), "{:.1f}"), _cell(sw.get("decode_tokens_per_s")),
                      format_bytes(sw.get("cap_peak_bytes")), _cell(sw.get("predicted_tokens_per_s")), format_bytes(sw.get("predicted_peak_bytes")),
                      "-", "-", "-"])  # fmt: skip
     return {"columns": cols, "rows": rows}
+
+
+def _shape(c: dict[str, Any]) -> str:
+    """A choice as the table shows it: micro-batches x size per load, residency, slots, KV, prefill chunk."""
+    chunk = c.get("prefill_chunk")
+    return (f"{c.get('per_load')} x {c.get('micro_batch')}, {c.get('resident_layers')} res, {c.get('slots')} slots, KV {c.get('kv')}, "
+            f"{f'chunk {chunk}' if chunk else 'whole prompts'}")  # fmt: skip
 
 
 def _failed(sw: dict[str, Any]) -> str:
