@@ -74,6 +74,15 @@ def signal_handlers_are_restored() -> Iterator[None]:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: sweeps that run thousands of tiny forwards, where thread wake-ups dominate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def spill_dir() -> Iterator[Path]:
     """A private 0700 directory on the real disk (see :func:`helpers.disks.real_disk_base`), removed afterwards."""
     d = Path(tempfile.mkdtemp(prefix="gds_offload-test-", dir=real_disk_base()))

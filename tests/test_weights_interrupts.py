@@ -53,14 +53,7 @@ def ckpt_store() -> Iterator[tuple[Path, Path]]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: the sweeps run thousands of tiny forwards, where thread wake-ups dominate."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
 

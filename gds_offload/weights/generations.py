@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.fds import close_fd
 from gds_offload.io.integrity import checksum
 from gds_offload.io.layout import ALIGN, File, Slot, align_up
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
@@ -178,8 +180,7 @@ class StateRead:
                 with contextlib.suppress(Exception):
                     self.future.wait()
         finally:
-            os.close(self.fd)
-            self.fd = -1
+            close_fd(self)
 
 
 class Generations:
@@ -267,6 +268,48 @@ class Generations:
         return len(self.manifest.groups), len(self.current.states)
 
     # -- writing ------------------------------------------------------------------------------
+    def check_writable(self, state_per_weight_byte: float) -> None:
+        """Refuse, before any step computes, a training directory this process cannot write or
+        whose drive lacks room for the next generation: every group's weights and
+        ``state_per_weight_byte`` times as many bytes of optimizer state (the files of the
+        generation it replaces count as room: they are unlinked first).
+
+        Raises:
+            ConfigError: the directory (or its nearest existing parent) is read-only or not
+                ours to write, or the drive is too full; the message names it and the fix.
+        """
+        fix = "pass StreamedTrainer(..., state_dir=DIR) on a writable drive with room, or make the store's drive writable"
+        try:
+            make_dirs(self.root)
+            dfd = open_dir(self.root)
+        except OSError as exc:
+            raise ConfigError(f"StreamedTrainer cannot create its training directory {self.root}: {exc.strerror}; {fix}") from exc
+        probe = ".write-probe"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(probe, dir_fd=dfd)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            os.close(fd)
+            os.unlink(probe, dir_fd=dfd)
+            st = os.fstatvfs(dfd)
+        except OSError as exc:
+            raise ConfigError(f"StreamedTrainer cannot write its steps into {self.root}: {exc.strerror}; {fix}") from exc
+        finally:
+            os.close(dfd)
+        weights = sum(f.nbytes for f in self.manifest.files)
+        need = int(weights * (1 + state_per_weight_byte))
+        other = 0 if self.current.generation == 1 else 1  # the generation the next step rewrites
+        room = st.f_bavail * st.f_frsize + sum(
+            p.stat().st_size for p in self.root.glob(f"*-{other}.*.bin") if p.is_file() and not p.is_symlink()
+        )
+        if room < need:
+            gib = 1 << 30
+            raise ConfigError(
+                f"StreamedTrainer needs {need / gib:.2f} GiB free in {self.root} for a step's generation (the weights, "
+                f"{weights / gib:.2f} GiB, and {state_per_weight_byte:g}x as much optimizer state), and its drive has "
+                f"{room / gib:.2f} GiB; free room there, or {fix}"
+            )
+
     def begin(self, engine: Engine) -> StepWriter:
         """Start writing step ``current.step + 1`` into the other generation."""
         make_dirs(self.root)
@@ -407,9 +450,7 @@ class StepWriter:
                 pass
         self._pending.clear()
         for f in self._files:
-            if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+            close_fd(f)
 
 
 _IN_FLIGHT = 4

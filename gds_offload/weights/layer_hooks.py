@@ -224,8 +224,10 @@ class LayerHooks:
             if started is not None:
                 self._stats.compute_s[pos] += time.perf_counter() - started
             if self._team is not None and self._team.member():
-                if self._saved is not None:
-                    self._saved.exit()  # this member's hooks; the layer stays bound for the others
+                # This member's hooks; the layer stays bound for the others. A member cancelled at its
+                # hand-over (its pre-hook raised TeamCancelled) pushed none, and another may be computing.
+                if started is not None and self._saved is not None:
+                    self._saved.exit()
                 return
             changed = not self._release()
             self._end_layer()

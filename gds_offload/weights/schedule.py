@@ -33,10 +33,33 @@ dropout draw from the stream they would draw from alone: the state ``seeds[i]`` 
 A member that finishes (or raises) leaves the rotation; one that raises cancels the others
 (they raise :class:`TeamCancelled` at their next hand-over) and :meth:`Team.run` re-raises
 its exception once every member has stopped. Ctrl-C in the calling thread does the same.
+
+The protocol, as a state table (:class:`MemberState`, :data:`MOVES`), kept under one lock:
+
+=========  ==========================================  =========================================
+state      how a member gets there                     what it may do there
+=========  ==========================================  =========================================
+NEW        :meth:`Team.run` made its thread             nothing yet
+READY      its thread started (registered its ident)    wait for the gate and its first turn
+RUNNING    its first turn came, nothing failed          compute; at each hand-over pass the turn on
+LEFT       its call returned or raised, or it was       nothing: it never touches the model again
+           cancelled while READY
+=========  ==========================================  =========================================
+
+Invariants: at most one RUNNING member is outside a hand-over wait (the one whose turn it is);
+no member becomes RUNNING once the team has failed; and :meth:`Team.run` returns or raises only
+when every member whose thread was started is LEFT. The caller learns that from the members'
+own marks (each sets LEFT in a ``finally``, under the lock), never from ``Thread.join``: a
+``KeyboardInterrupt`` landing in ``join`` can leave CPython believing a running thread stopped,
+and a member still running backward after ``run`` returned would add its gradients to the
+next step. The caller waits with stop signals held (:func:`~gds_offload.weights.interrupts.held`)
+and delivers them only between its waits, where the team's state is consistent; once it is
+cancelled it waits for the members to leave with signals held, and they are delivered after.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -44,17 +67,46 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from gds_offload.errors import OffloadError
+from gds_offload.weights.interrupts import POLL_S, deliver, held
 
-__all__ = ["Team", "TeamCancelled"]
+__all__ = ["MOVES", "MemberState", "Team", "TeamCancelled", "check_move"]
 
 T = TypeVar("T")
-
-#: How often the calling thread wakes while it waits for the members (Ctrl-C stops it there).
-_JOIN_S = 0.05
 
 
 class TeamCancelled(OffloadError):
     """A member of a :class:`Team` stopped because another one raised (or the caller was interrupted)."""
+
+
+class MemberState(enum.Enum):
+    """Where one member of a :class:`Team` is. The only moves are those of :data:`MOVES`."""
+
+    NEW = "new"  #: its thread is made, not yet running our code
+    READY = "ready"  #: its thread runs, at the gate (before its call)
+    RUNNING = "running"  #: inside its call (computing, or waiting for its turn at a hand-over)
+    LEFT = "left"  #: its call returned or raised, or it was cancelled before calling: it touches nothing again
+
+
+#: The legal moves of a member. A member becomes RUNNING only under the team's lock while no
+#: member has failed and the caller has not been interrupted, so once the team is cancelled
+#: the RUNNING members can only leave.
+MOVES: dict[MemberState, frozenset[MemberState]] = {
+    MemberState.NEW: frozenset({MemberState.READY}),
+    MemberState.READY: frozenset({MemberState.RUNNING, MemberState.LEFT}),
+    MemberState.RUNNING: frozenset({MemberState.LEFT}),
+    MemberState.LEFT: frozenset(),
+}
+
+
+def check_move(member: int, old: MemberState, new: MemberState) -> MemberState:
+    """``new``, if :data:`MOVES` allows ``member`` to go there from ``old``.
+
+    Raises:
+        OffloadError: the move is not in the table (a broken protocol, never a user's error).
+    """
+    if new not in MOVES[old]:
+        raise OffloadError(f"micro-batch {member} of a layer-major team cannot go from {old.value} to {new.value}")
+    return new
 
 
 class _RngState:
@@ -105,13 +157,34 @@ class Team(Generic[T]):
         self._calls = list(calls)
         self._rng = [_RngState(s, cuda) for s in (seeds if seeds is not None else [None] * len(calls))]
         self._cond = threading.Condition()
-        self._order = list(range(len(calls)))  # members still running, in rotation order
+        self._states = [MemberState.NEW] * len(calls)
+        self._started: list[int] = []  # members whose thread was started
+        self._open = False  # the gate: members may take their first turn
+        self._order = list(range(len(calls)))  # members still in the rotation
         self._now = 0  # the member whose turn it is
         self._members: dict[int, int] = {}  # thread ident -> member index
         self._failure: BaseException | None = None
         self._results: list[Any] = [None] * len(calls)
         #: Hand-overs so far (one per member per streamed layer, plus the last of each pass).
         self.handovers = 0
+
+    # -- the state table ----------------------------------------------------------------------
+    @property
+    def states(self) -> list[MemberState]:
+        """Each member's state now (a copy)."""
+        with self._cond:
+            return list(self._states)
+
+    def _move(self, i: int, new: MemberState) -> None:
+        """Member ``i`` moves to ``new`` (the lock held); :func:`check_move` refuses a move outside the table."""
+        check_move(i, self._states[i], new)
+        if new is MemberState.RUNNING and self._failure is not None:
+            raise OffloadError(f"micro-batch {i} of a layer-major team cannot start: the team was cancelled")
+        self._states[i] = new
+        self._cond.notify_all()
+
+    def _all_left(self) -> bool:
+        return all(self._states[i] is MemberState.LEFT for i in self._started)
 
     # -- for the hooks ------------------------------------------------------------------------
     def member(self) -> bool:
@@ -140,50 +213,70 @@ class Team(Generic[T]):
         """Run every member to the end; their results, in order. ``started(idents)`` runs once
         every member's thread exists, before any of them computes (to admit them to the model's turn).
 
+        Returns or raises only once every member has left (:class:`MemberState`), also when the
+        caller is interrupted: no member computes after ``run``.
+
         Raises:
-            The first exception a member raised (the others are cancelled and waited for).
+            The first exception a member raised (the others are cancelled and waited for), or
+            the stop signal's exception (``KeyboardInterrupt``) if the caller was interrupted.
         """
         caller = _RngState(None, self._rng[0].cuda is not None)
         try:
-            return self._run(started)
+            with held():  # signals are delivered only between the waits below (see the module doc)
+                self._run(started)
         finally:
             caller.load()  # the members' draws do not move the caller's random-number state
-
-    def _run(self, started: Callable[[list[int]], None] | None) -> list[T]:
-        threads = [threading.Thread(target=self._member, args=(i,), name=f"gds_offload-mb{i}", daemon=True) for i in range(len(self._calls))]
-        gate = threading.Event()
-        self._gate = gate
-        for t in threads:
-            t.start()
-        with self._cond:
-            while len(self._members) < len(threads):
-                self._cond.wait()
-        try:
-            if started is not None:
-                started(list(self._members))
-            gate.set()
-            for t in threads:
-                while t.is_alive():
-                    t.join(_JOIN_S)
-        except BaseException as exc:
-            self._cancel(exc)
-            gate.set()
-            for t in threads:
-                t.join()
-            raise
         if self._failure is not None:
             raise self._failure
         return list(self._results)
+
+    def _run(self, started: Callable[[list[int]], None] | None) -> None:
+        n = len(self._calls)
+        try:
+            for i in range(n):
+                threading.Thread(target=self._member, args=(i,), name=f"gds_offload-mb{i}", daemon=True).start()
+                self._started.append(i)
+            self._await(lambda: len(self._members) == n)
+            if started is not None:
+                started(list(self._members))
+            with self._cond:
+                self._open = True
+                self._cond.notify_all()
+            self._await(self._all_left)
+        except BaseException as exc:
+            self._cancel(exc)
+            self._drain()
+            raise
+
+    def _await(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` (read under the lock), delivering held stop signals between slices.
+        The members' moves and hand-overs wake it, so a signal is delivered at the next of them."""
+        while True:
+            with self._cond:
+                if done():
+                    return
+                self._cond.wait(POLL_S)
+            deliver()
+
+    def _drain(self) -> None:
+        """After a cancel: wait, delivering nothing, until every started member has left."""
+        with self._cond:
+            while not self._all_left():
+                self._cond.wait(POLL_S)
 
     # -- internals ----------------------------------------------------------------------------
     def _member(self, i: int) -> None:
         with self._cond:
             self._members[threading.get_ident()] = i
-            self._cond.notify_all()
-        self._gate.wait()
+            self._move(i, MemberState.READY)
+        ran = False
         try:
             with self._cond:
+                while not self._open and self._failure is None:
+                    self._cond.wait()
                 self._wait_turn(i)
+                self._move(i, MemberState.RUNNING)
+                ran = True
             with contextlib.ExitStack() as modes:
                 modes.enter_context(torch.set_grad_enabled(self._grad))
                 for device_type, dtype in self._autocast:
@@ -194,7 +287,8 @@ class Team(Generic[T]):
                 self._cancel(exc)
         finally:
             with self._cond:
-                self._rng[i].save()
+                if ran:
+                    self._rng[i].save()
                 self._leave(i)
 
     def _wait_turn(self, i: int) -> None:
@@ -212,13 +306,11 @@ class Team(Generic[T]):
         self._cond.notify_all()
 
     def _leave(self, i: int) -> None:
-        if i not in self._order:
-            return
         pos = self._order.index(i)
         if self._now == i and len(self._order) > 1:
             self._now = self._order[(pos + 1) % len(self._order)]
         self._order.remove(i)
-        self._cond.notify_all()
+        self._move(i, MemberState.LEFT)
 
     def _cancel(self, exc: BaseException) -> None:
         with self._cond:

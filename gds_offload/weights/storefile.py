@@ -17,6 +17,7 @@ import torch
 
 from gds_offload.errors import OffloadError
 from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.fds import close_fd
 from gds_offload.io.integrity import checksum
 from gds_offload.io.layout import ALIGN, File, Slot, align_up
 from gds_offload.io.pages import map_anonymous
@@ -110,9 +111,7 @@ class StoreFiles:
 
     def close(self) -> None:
         for f in self.files:
-            if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+            close_fd(f)
 
 
 def read_group(

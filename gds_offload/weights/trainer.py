@@ -122,8 +122,9 @@ class StreamedTrainer:
             p.requires_grad_(True)
         #: The optimizer of the parameters held in memory; its first group's hyperparameters steer the streamed layers' too.
         self.optimizer = self._build(list(dict.fromkeys(params)), what="the resident parameters")
-        self._engine = make_engine(lm.engine.name, num_threads=4)  # type: ignore[arg-type]  # the engine the layers stream through
         self._gens = Generations(Path(state_dir) if state_dir is not None else lm.store_dirs[0] / "train", manifest, lm.store_dirs)
+        self._gens.check_writable(_state_ratio(optimizer))
+        self._engine = make_engine(lm.engine.name, num_threads=4)  # type: ignore[arg-type]  # the engine the layers stream through
         self._grads: dict[int, dict[str, torch.Tensor]] = {}
         self._params_of = [[n for n in lm.binding.by_group.get(g.name, []) if lm.binding.targets[n][0].is_param] for g in self._streamed]
         self._pending = _Pending(self._gens, self._engine, micro_batches=None)
@@ -421,3 +422,17 @@ class _Pending:
             self._writer.close()  # abandoned: step.json still names the step before
         if self._files is not None:
             self._files.close()
+
+
+def _state_ratio(optimizer: OptimizerFactory) -> float:
+    """Bytes of optimizer state per byte of weights that ``optimizer`` keeps (AdamW: 2, SGD with
+    momentum: 1), measured on a small probe parameter after one step; scalar entries (``step``) not counted."""
+    probe = nn.Parameter(torch.zeros(256))
+    probe.grad = torch.ones(256)
+    try:
+        opt = optimizer([probe])
+        opt.step()
+    except Exception:  # noqa: BLE001 - an optimizer the probe cannot step: assume Adam's two moments
+        return 2.0
+    kept = sum(t.nbytes for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+    return kept / probe.nbytes

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io.directory import Origin, mount_of, prepare_dir
+from gds_offload.io.fds import close_fd
 from gds_offload.io.layout import File, Slot, align_up
 
 __all__ = [
@@ -130,9 +131,7 @@ class SpillStore:
         with self._lock:
             self._closed = True
             for f in self.files:
-                if f.fd >= 0:
-                    os.close(f.fd)
-                    f.fd = -1
+                close_fd(f)
 
     def forget(self) -> None:
         """In a forked child: close this process's copies of the files, leaving the parent's intact.
@@ -140,9 +139,7 @@ class SpillStore:
         Takes no lock: another thread of the parent may have held it when the process forked."""
         self._closed = True
         for f in self.files:
-            if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+            close_fd(f)
 
     def _grow(self, f: File, need: int) -> None:
         # Extend the file; if its tail is free, the new space merges with it.
