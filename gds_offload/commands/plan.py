@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         workload = (Finetune(args.sequences, args.seq, args.global_batch, args.lora_r) if args.workload == "finetune"
                     else Generate(args.prompts, args.prompt_len, args.new_tokens))  # fmt: skip
         check_feasible(args.store, workload, memory)
-        profile = _measure(args, workload)
+        profile = _measure(args, workload, memory)
         plan = choose(profile, workload, memory)
     except (ConfigError, OffloadError, OSError) as exc:
         print(f"gds-offload plan: {exc}", file=sys.stderr)
@@ -76,17 +76,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, workload: Workload) -> Profile:
+def _measure(args: argparse.Namespace, workload: Workload, memory: int) -> Profile:
     from rich.console import Console
 
     from gds_offload.weights.measure import measure
 
     console = Console(stderr=True)
     if not console.is_terminal:
-        return measure(args.store, workload, device=args.device, engine=args.engine,
+        return measure(args.store, workload, device=args.device, engine=args.engine, memory=memory,
                        progress=lambda what: print(f"gds-offload plan: {what}", file=sys.stderr, flush=True))  # fmt: skip
     with console.status("measuring") as status:
-        return measure(args.store, workload, device=args.device, engine=args.engine,
+        return measure(args.store, workload, device=args.device, engine=args.engine, memory=memory,
                        progress=lambda what: status.update(f"measuring: {what}"))  # fmt: skip
 
 

@@ -142,6 +142,8 @@ def generate_many(
         if bad in generate_kwargs:
             raise ConfigError(f"generate_many sets {bad} itself; pass prompts, max_new_tokens and prefill_chunk instead")
     chosen = plan if plan is not None else lm.plan
+    # What the caller set by hand: a re-plan after a drift keeps it (Drift).
+    fixed = Fixed(micro_batch is not None or per_load is not None or prefill_chunk is not None, None if kv is None else _placement(kv))
     if chosen is not None:
         c = chosen.choice
         micro_batch = c.micro_batch if micro_batch is None else micro_batch
@@ -167,7 +169,7 @@ def generate_many(
     outputs: list[Any] = []
     chunks: list[int | None] = []
     done: list[MicroBatch] = []
-    drift = _Drift(lm, chosen, max_new_tokens) if chosen is not None else None
+    drift = Drift(lm, chosen, max_new_tokens, fixed) if chosen is not None else None
     while mbs:
         wave, mbs = mbs[:n], mbs[n:]
         before = sum(lm.stats().compute_s)
@@ -236,33 +238,53 @@ def cache_argument() -> str:
 DRIFT = 0.25
 
 
-class _Drift:
+@dataclass(frozen=True)
+class Fixed:
+    """What a caller of :func:`generate_many` set by hand, which a re-plan keeps: the shape
+    (``micro_batch``, ``per_load`` or ``prefill_chunk`` given), the KV placement (``kv`` given)."""
+
+    shape: bool = False
+    kv: KVPlacement | None = None
+
+
+class Drift:
     """After each wave: the streamed layers' measured compute against the plan's prediction; off by
     more than :data:`DRIFT` (another job on the machine, a turbo clock), the rest is planned again
-    with the profile's compute scaled by what was measured, the loaded ring kept (``stats().replans``)."""
+    with the profile's compute scaled by what was measured, the loaded ring kept (``stats().replans``).
 
-    def __init__(self, lm: StreamedModel, plan: Plan, max_new_tokens: int) -> None:
-        self.lm, self.plan, self.max_new_tokens = lm, plan, max_new_tokens
+    The scale is kept against the plan's own profile (as measured), and every prediction and
+    re-plan uses that profile times the scale once. A re-plan keeps what the caller set by hand
+    (:class:`Fixed`): its KV placement, and its shape (then only the drift is noted).
+    """
+
+    def __init__(self, lm: Any, plan: Plan, max_new_tokens: int, fixed: Fixed = Fixed()) -> None:
+        self.lm, self.plan, self.max_new_tokens, self.fixed = lm, plan, max_new_tokens, fixed
+        self.profile = plan.profile  # as measured; never a scaled copy
         self.scale = 1.0
 
     def check(self, wave: list[MicroBatch], measured_s: float, rest: list[int], prompts: Sequence[Any]) -> Plan | None:
-        p = self.plan.profile.scaled(self.scale)
+        """The plan for the prompts ``rest`` after a wave whose streamed compute took ``measured_s``,
+        or ``None`` to go on with the current one."""
         seqs = sum(mb.input_ids.shape[0] for mb in wave)
         w = Generate(seqs, max(mb.input_ids.shape[1] for mb in wave), self.max_new_tokens)
-        predicted = estimate(p, w, self.plan.choice, self.plan.memory_nbytes).streamed_compute_s
+        predicted = estimate(self.profile.scaled(self.scale), w, self.plan.choice, self.plan.memory_nbytes).streamed_compute_s
         if predicted <= 0 or abs(measured_s / predicted - 1) <= DRIFT:
             return None
         self.scale *= measured_s / predicted
+        what = f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned ({measured_s / predicted:.2f}x)"
+        if self.fixed.shape or self.fixed.kv is KVPlacement.HOST:
+            self.lm.note_replan(f"{what}; kept the shape given to generate_many")
+            return None
         c = self.plan.choice
         longest = max(len(prompts[i]) for i in rest)
+        kv = (self.fixed.kv,) if self.fixed.kv is not None else (KVPlacement.DEVICE, KVPlacement.DRIVE)
         try:
-            new = choose(self.plan.profile.scaled(self.scale), Generate(len(rest), longest, self.max_new_tokens), self.plan.memory_nbytes,
-                         ring=(c.resident_layers, c.slots))  # fmt: skip
+            new = choose(self.profile.scaled(self.scale), Generate(len(rest), longest, self.max_new_tokens), self.plan.memory_nbytes,
+                         kv=kv, ring=(c.resident_layers, c.slots))  # fmt: skip
         except ConfigError as exc:  # nothing else fits beside the loaded ring: go on as planned
-            self.lm.note_replan(f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned; kept the plan ({exc})")
+            self.lm.note_replan(f"{what}; kept the plan ({exc})")
             return None
-        self.lm.note_replan(f"compute measured {measured_s:.2f} s against {predicted:.2f} s planned ({measured_s / predicted:.2f}x): "
-                            f"the last {len(rest)} prompts run as {new.describe()}")  # fmt: skip
+        self.lm.note_replan(f"{what}: the last {len(rest)} prompts run as {new.describe()}")
         self.plan = new
         return new
 

@@ -1,8 +1,9 @@
 """Measuring a streamed model on this machine for the planner (:mod:`gds_offload.weights.planner`):
 :func:`measure` returns a :class:`~gds_offload.weights.planner.Profile`.
 
-The measurements run in a child process (``python -m gds_offload.weights.measure``), so that
-the memory it reports is the model's own, not whatever the caller's process holds:
+The measurements run in the calling process (or, with ``isolate=True``, in a child process,
+``python -m gds_offload.weights.measure``): its base memory is then everything the process holds,
+as the run it plans for will hold it, and nothing beside it needs room under a memory limit:
 
 * the read rate: streamed layers read from the store through the ring's engine, outside the ring;
 * one layer's forward time, prefill (1, 4 and 16 prompts of ``prompt_len`` tokens; and 1, 4 and 8
@@ -19,6 +20,8 @@ The child prints one JSON object per line: ``{"event": "progress", ...}`` while 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -33,15 +36,15 @@ from typing import Any
 import torch
 
 from gds_offload.errors import ConfigError
-from gds_offload.units import parse_bytes
+from gds_offload.units import format_bytes, parse_bytes
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
-from gds_offload.weights.planner import Plan, check_feasible, choose
+from gds_offload.weights.planner import Plan, check_feasible, check_floor, choose
 from gds_offload.weights.stream import load_streamed
-from gds_offload.weights.workload import Finetune, Fit, Profile, Workload, profile_from
+from gds_offload.weights.workload import Finetune, Fit, Generate, Profile, Workload, profile_from
 
-__all__ = ["measure", "main", "plan"]
+__all__ = ["measure", "main", "memory_limit", "plan"]
 
 _TIMEOUT_S = 600
 #: Timed runs per size, after a warm-up: the median (one run's time varies by a tenth or more on a
@@ -56,17 +59,39 @@ def measure(
     device: str = "cpu",
     engine: str = "auto",
     progress: Callable[[str], None] | None = None,
+    isolate: bool = False,
+    memory: int | None = None,
 ) -> Profile:
     """Profile the model in ``store`` for ``workload`` on ``device`` (see the module doc).
 
+    Args:
+        isolate: measure in a child process (``python -m gds_offload.weights.measure``), whose base
+            memory is the model's and a fresh interpreter's. Default: in this process, whose base is
+            everything it holds, as the run it plans for will hold it; nothing beside it needs room
+            (a child and its parent together pass a memory limit that the run alone fits), and this
+            process's random-number state is left as it was.
+        memory: the plan's memory limit: refused once the resident group is loaded, before anything
+            is timed, if below what the smallest plan needs (:func:`~gds_offload.weights.planner.check_floor`).
+
     Raises:
-        ConfigError: the child failed (its last line of output is in the message).
+        ConfigError: the measurement failed: the child's error, or how it ended (a kill by the
+            kernel's out-of-memory killer names the memory limit it ran under); ``memory`` too small.
     """
-    spec: dict[str, Any] = {"store": os.fspath(store), "device": device, "engine": engine}
+    spec: dict[str, Any] = {"store": os.fspath(store), "device": device, "engine": engine, "memory": memory,
+                            "workload": dataclasses.asdict(workload)}  # fmt: skip
     if isinstance(workload, Finetune):
         spec |= {"kind": "finetune", "seq": workload.seq, "global_batch": workload.global_batch, "lora_r": workload.lora_r}
     else:
         spec |= {"kind": "generate", "prompt_len": workload.prompt_len, "new_tokens": workload.new_tokens, "prompts": workload.prompts}
+    if isolate:
+        return profile_from(_in_child(spec, progress))
+    dev = torch.device(device)
+    devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+        return profile_from(_child(spec, progress or (lambda what: None), stack))
+
+
+def _in_child(spec: dict[str, Any], progress: Callable[[str], None] | None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "gds_offload.weights.measure", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result: dict[str, Any] | None = None
@@ -86,10 +111,50 @@ def measure(
         proc.kill()
         proc.wait()
         raise
-    if proc.returncode != 0 or result is None:
-        last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        raise ConfigError(f"measuring {store} failed: {last[0]}")
-    return profile_from(result)
+    if proc.returncode == 0 and result is not None:
+        return result
+    raise ConfigError(f"measuring {spec['store']} failed: {_how_it_ended(proc.returncode, err or '')}")
+
+
+def _how_it_ended(returncode: int, err: str) -> str:
+    """A failed measuring child's end, in words: its own error line, or the signal that ended it."""
+    if returncode < 0:
+        import signal
+
+        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else f"signal {-returncode}"
+        if -returncode == signal.SIGKILL:
+            limit = memory_limit()
+            where = f" of {format_bytes(limit)}" if limit is not None else ""
+            return (f"the measuring process was killed ({name}), most likely by the kernel's out-of-memory killer at this "
+                    f"process group's memory limit{where}; measure in this process (isolate=False), or give more memory")  # fmt: skip
+        return f"the measuring process was ended by {name}"
+    ours = [line for line in err.strip().splitlines() if line.startswith("gds_offload.weights.measure:")]
+    last = ours[-1:] or [line for line in err.strip().splitlines() if line.strip() and "Warning" not in line][-1:]
+    return last[0] if last else f"exit {returncode}"
+
+
+def memory_limit() -> int | None:
+    """The memory limit of this process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2
+    ``memory.max``), or ``None`` when there is none or it cannot be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            f = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        elif controllers == "":
+            f = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        else:
+            continue
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return None
 
 
 # -- the child -------------------------------------------------------------------------------------
@@ -121,7 +186,9 @@ def _device_peak(device: torch.device) -> tuple[Callable[[], None], Callable[[],
     return _reset_peak, (lambda: _rss("VmHWM"))
 
 
-def _child(spec: dict[str, Any]) -> dict[str, Any]:
+def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.ExitStack) -> dict[str, Any]:
+    """The profile of ``spec``'s model, as a dict (:func:`~gds_offload.weights.workload.profile_from`); ``say`` reports
+    progress; the streamed model is closed when ``stack`` closes (also after an exception)."""
     import transformers
 
 
@@ -132,9 +199,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     if spec.get("kind") == "finetune":
-        return _finetune_child(spec, skeleton, cfg, store, device)
+        return _finetune_child(spec, skeleton, cfg, store, device, say, stack)
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
-    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(skeleton, store, device, spec["engine"], "loading the resident group")
+    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(skeleton, store, device, spec["engine"], "loading the resident group", say, stack,
+                                                              functools.partial(_check_floor, spec, cfg))  # fmt: skip
     model = lm.model
     layers = lm.layer_modules()
     stop = layers[2].register_forward_pre_hook(lambda *a: _raise_stop())
@@ -156,7 +224,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     prefill, decode = [], []
     cap = spec["prompts"]
     for b in sorted({min(1, cap), min(4, cap), min(16, cap)}):
-        _emit("progress", what=f"prefill of {b} x {prompt_len} tokens")
+        say(f"prefill of {b} x {prompt_len} tokens")
         ids = torch.randint(0, vocab, (b, prompt_len), device=device)
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
         runs = [two_layers(functools.partial(model, ids)) for _ in range(_RUNS)]
@@ -177,11 +245,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         chunk = max(prompt_len // 4, 1)
         past = max((prompt_len - chunk) // 2, 1)  # a chunked prefill's mean cache
         for b in sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)}):  # up to half the largest whole prompts' tokens
-            _emit("progress", what=f"prefill chunks of {b} x {chunk} tokens on {past} cached")
+            say(f"prefill chunks of {b} x {chunk} tokens on {past} cached")
             chunked.append((b * chunk, on_cache(b, chunk, past)[0]))
     ctx = prompt_len + new_tokens // 2
     for b in sorted({min(8, cap), min(32, cap), min(128, cap)}):
-        _emit("progress", what=f"decode of {b} sequences at {ctx} positions")
+        say(f"decode of {b} sequences at {ctx} positions")
         decode.append((b, *on_cache(b, 1, ctx)))
     stop.remove()
     head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
@@ -211,6 +279,17 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_floor(spec: dict[str, Any], cfg: Any, stats: Any, base: int) -> None:
+    """:func:`~gds_offload.weights.planner.check_floor` for ``spec``'s memory, if it has one."""
+    if spec.get("memory") is None:
+        return
+    w = spec["workload"]
+    workload: Workload = Finetune(**w) if w.get("kind") == "finetune" else Generate(**w)
+    text = cfg.get_text_config(decoder=True)
+    check_floor(text.to_dict(), workload, spec["memory"], layers=text.num_hidden_layers, layer_nbytes=stats.slot_nbytes,
+                resident_nbytes=stats.resident_nbytes, base_nbytes=base)  # fmt: skip
+
+
 def _raise_stop() -> None:
     raise _Stop
 
@@ -223,12 +302,14 @@ class _StopWith(Exception):
         self.hidden = hidden
 
 
-def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: str) -> tuple[Any, Any, Any, Any, int, tuple[int, float]]:
+def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: str, say: Callable[[str], None],
+            stack: contextlib.ExitStack, check: Callable[[Any, int], None]) -> tuple[Any, Any, Any, Any, int, tuple[int, float]]:  # fmt: skip
     """``model`` streamed from ``store`` with two slots, checked to stream at least 3 layers, settled,
     and its ``stats()`` then; the device's peak reset and read back (``reset``, ``peak``), the memory held before any forward
     less the ring (``base``), and three layers' reads timed: ``(nbytes, seconds)``."""
-    _emit("progress", what=what)
+    say(what)
     lm = load_streamed(model, store, device=device, slots=2, engine=engine)
+    stack.callback(lm.close)
     stats = lm.stats()
     if len(stats.streamed_layers) < 3:
         raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
@@ -238,11 +319,13 @@ def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: st
     # On the CPU, the anonymous memory: the libraries' file pages (about 0.1 GiB with torch) are
     # what a memory limit reclaims first, and counting them put every predicted peak a tenth high.
     base = (_rss("RssAnon") + _rss("RssShmem") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
-    _emit("progress", what="reading layers from the drive")
+    check(stats, base)  # before anything is read or timed
+    say("reading layers from the drive")
     return lm, stats, reset, peak, base, lm.read_layers(3)
 
 
-def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device) -> dict[str, Any]:
+def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, device: torch.device, say: Callable[[str], None],
+                    stack: contextlib.ExitStack) -> dict[str, Any]:  # fmt: skip
     """The fine-tuning profile: LoRA of rank ``lora_r`` on every linear layer of the decoder; one
     layer's forward with grad and its backward, at one and two sequences of ``seq`` tokens, each
     the median of three runs (one run's times vary by a quarter on a shared machine)."""
@@ -250,7 +333,8 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
 
     seq = spec["seq"]
     model = peft.get_peft_model(skeleton, peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], target_modules="all-linear"))
-    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(model, store, device, spec["engine"], "loading the resident group and the adapters")
+    lm, stats, reset, peak, base, (nbytes, seconds) = _loaded(model, store, device, spec["engine"], "loading the resident group and the adapters", say,
+                                                              stack, functools.partial(_check_floor, spec, cfg))  # fmt: skip
     text = cfg.get_text_config(decoder=True)
     vocab = text.vocab_size
     dtype = next(p.dtype for p in lm.model.parameters() if p.dtype.is_floating_point)
@@ -258,7 +342,7 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     forward, backward, saved_per, transient = [], [], [], []
     lm.model.train()
     for b in (1, 1, 1, 1, 2, 2, 2):  # the first run warms up
-        _emit("progress", what=f"forward and backward of {b} x {seq} tokens")
+        say(f"forward and backward of {b} x {seq} tokens")
         ids = torch.randint(0, vocab, (b, seq), device=device)
         saved: dict[int, int] = {}
 
@@ -294,7 +378,7 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
         lm.model.zero_grad(set_to_none=True)
     stop.remove()
     assert hidden is not None
-    _emit("progress", what=f"the head and loss of 1 x {seq} tokens, forward and backward")
+    say(f"the head and loss of 1 x {seq} tokens, forward and backward")
     head_train = _head_train_peak(lm.model, hidden[:1], vocab, device, reset, peak)
     forward, backward = _medians(forward[1:]), _medians(backward[1:])
     head = _time_head(call, cfg, dtype, device, sizes=[64, 256])
@@ -380,7 +464,8 @@ def _time_head(model: Any, cfg: Any, dtype: torch.dtype, device: torch.device, *
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
-        profile = _child(json.loads(args[0]))
+        with contextlib.ExitStack() as stack:
+            profile = _child(json.loads(args[0]), lambda what: _emit("progress", what=what), stack)
     except ConfigError as exc:
         print(f"gds_offload.weights.measure: {exc}", file=sys.stderr)
         return 2
@@ -411,4 +496,4 @@ def plan(
     """
     limit = parse_bytes(memory, name="memory")
     check_feasible(store, workload, limit)
-    return choose(measure(store, workload, device=device, engine=engine, progress=progress), workload, limit)
+    return choose(measure(store, workload, device=device, engine=engine, progress=progress, memory=limit), workload, limit)

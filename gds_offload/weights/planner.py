@@ -51,7 +51,7 @@ from gds_offload.weights.manifest import read_manifest
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from
 
-__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "check_feasible", "choose", "estimate", "variant"]
+__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "at_least", "check_feasible", "check_floor", "choose", "estimate", "variant"]
 
 
 @dataclass(frozen=True)
@@ -206,9 +206,9 @@ def choose(
         least = min(estimates, key=lambda e: e.peak_nbytes)
         raise ConfigError(
             f"memory={format_bytes(memory)} is too small for {workload}: the smallest plan ({least.choice.per_load} x "
-            f"{least.choice.micro_batch} sequences, {variant(workload, least.choice)}) needs {format_bytes(least.peak_nbytes)} "
-            f"(the model's base and resident group alone take {format_bytes(profile.base_nbytes)}, a layer "
-            f"{format_bytes(profile.layer_nbytes)}); give at least {format_bytes(math.ceil(least.peak_nbytes / HEADROOM))}"
+            f"{least.choice.micro_batch} sequences, {variant(workload, least.choice)}) needs {format_bytes(least.peak_nbytes)}, "
+            f"counting this whole process (the base measured with the resident group loaded, {format_bytes(profile.base_nbytes)}; "
+            f"a layer, {format_bytes(profile.layer_nbytes)}); give at least {at_least(least.peak_nbytes)}"
         )
     best = _simplest_of_the_fastest(fitting)
     if best.bound == "drive" and _larger_would_not_fit(best, estimates):
@@ -258,8 +258,9 @@ def _larger_would_not_fit(best: Estimate, estimates: list[Estimate]) -> bool:
 
 
 def check_feasible(store: str | os.PathLike[str], workload: Workload, memory: int) -> None:
-    """What can be refused without measuring: a workload longer than the model's positions, and a
-    ``memory`` below this process's own resident memory plus the resident group and one layer.
+    """What can be refused without measuring: a workload longer than the model's positions, a store
+    with no layer to stream. (A ``memory`` too small is refused once the resident group is loaded,
+    before anything is timed: :func:`check_floor`, called by :func:`~gds_offload.weights.measure.measure`.)
 
     Raises:
         ConfigError: either, naming what is needed.
@@ -276,12 +277,45 @@ def check_feasible(store: str | os.PathLike[str], workload: Workload, memory: in
         raise ConfigError(f"the workload needs {what} but the model in {store} has {limit}; {fix}")
     if not m.layers:
         raise ConfigError(f"{store} holds no layers to stream; load it resident instead")
-    floor = _own_rss() + (m.resident.padded_nbytes if m.resident else 0) + max(g.padded_nbytes for g in m.layers)
-    if memory * HEADROOM < floor:
+
+
+def check_floor(config: dict[str, Any], workload: Workload, memory: int, *, layers: int, layer_nbytes: int, resident_nbytes: int,
+                base_nbytes: int) -> None:  # fmt: skip
+    """Refuse ``memory`` below what the smallest plan needs, before anything is timed: this whole
+    process with the resident group loaded (``base_nbytes``, measured), a layer, and one sequence's
+    activations (priced from ``config``, a model's text config, alone; fp32).
+
+    Raises:
+        ConfigError: naming what counts and the memory to give (:func:`at_least`).
+    """
+    rough = _rough_profile(config, layers, layer_nbytes, resident_nbytes, base=base_nbytes)
+    least = min(_peak(rough, workload, c) for c in _shapes(workload, kv=(KVPlacement.DEVICE, KVPlacement.DRIVE)))
+    if memory * HEADROOM < least:
         raise ConfigError(
-            f"memory={format_bytes(memory)} is below what any plan needs: this process ({format_bytes(_own_rss())}), the resident "
-            f"group and one layer need {format_bytes(floor)}; give at least {format_bytes(math.ceil(floor / HEADROOM))}"
+            f"memory={format_bytes(memory)} is below what any plan needs: memory counts this whole process, and the smallest "
+            f"plan needs about {format_bytes(least)}: this process with the resident group loaded ({format_bytes(base_nbytes)}), "
+            f"a layer ({format_bytes(layer_nbytes)}) and one sequence's activations; give at least {at_least(least)}"
         )
+
+
+def at_least(peak: float) -> str:
+    """The memory to give for a plan that peaks at ``peak`` bytes (the planner uses a share
+    :data:`HEADROOM` of what it is given), rounded up to the MiB: giving exactly this fits."""
+    mib = math.ceil(peak / HEADROOM / (1 << 20))
+    return f"{mib} MiB"
+
+
+def _rough_profile(config: dict[str, Any], layers: int, layer: int, resident: int, *, base: int) -> Profile:
+    """A profile from the store alone (no timings, no transients; fp32 activations): enough to price
+    the memory of the smallest plan before measuring."""
+    hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
+    heads = int(config.get("num_attention_heads") or config.get("n_head") or 1)
+    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    kv = 2 * int(config.get("num_key_value_heads") or heads) * head_dim * 4
+    zero = Fit(0.0, 0.0)
+    return Profile(device="cpu", layers=layers, layer_nbytes=layer, resident_nbytes=resident, hidden_nbytes=hidden * 4, kv_nbytes=kv,
+                   kv_record_nbytes=kv, logits_nbytes=int(config.get("vocab_size") or 0) * 4, read_Bps=1e9, base_nbytes=base,
+                   prefill=zero, decode=zero, head=zero, prefill_transient_nbytes=0.0, decode_transient_nbytes=0.0)  # fmt: skip
 
 
 def _read_config(store: Path) -> dict[str, Any]:
@@ -292,13 +326,3 @@ def _read_config(store: Path) -> dict[str, Any]:
         return {}
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     return text if isinstance(text, dict) else {}
-
-
-def _own_rss() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
