@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,11 +17,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
-from helpers.disks import real_disk_base  # noqa: E402
-from helpers.llama import llama_config, resident_model, save_checkpoint  # noqa: E402
+from helpers.llama import converted, resident_model  # noqa: E402
 
 from gds_offload.bench.cgroup import MemoryCap, cap_available  # noqa: E402
-from gds_offload.weights import as_reference, convert  # noqa: E402
+from gds_offload.weights import as_reference  # noqa: E402
 
 CHILD = Path(__file__).parent / "helpers" / "capped_plan_child.py"
 #: The tiny model's whole run in one process peaks near 270 MiB here; with the measurement in a
@@ -35,11 +33,8 @@ pytestmark = pytest.mark.skipif(not _ok, reason=f"needs root privileges and a cg
 
 @pytest.fixture(scope="module")
 def ckpt_store() -> Iterator[tuple[Path, Path]]:
-    base = real_disk_base() / f"gds_offload-plan-capped-{os.getpid()}"
-    ckpt = save_checkpoint(llama_config(), base / "ckpt")
-    convert(ckpt, base / "store")
-    yield ckpt, base / "store"
-    shutil.rmtree(base, ignore_errors=True)
+    with converted("plan-capped") as paths:
+        yield paths
 
 
 def _capped(ckpt: Path, store: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], int]:

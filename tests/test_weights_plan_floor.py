@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +13,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
-from helpers.disks import real_disk_base  # noqa: E402
-from helpers.llama import llama_config, save_checkpoint  # noqa: E402
+from helpers.llama import converted  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.units import parse_bytes  # noqa: E402
-from gds_offload.weights import convert, plan  # noqa: E402
+from gds_offload.weights import plan  # noqa: E402
 from gds_offload.weights.planner import Generate, at_least, check_floor  # noqa: E402
 
 MiB = 1 << 20
@@ -48,10 +46,8 @@ def test_giving_exactly_the_advice_fits_and_a_mib_less_does_not(base_mib: float)
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[Path]:
-    base = real_disk_base() / f"gds_offload-plan-floor-{os.getpid()}"
-    convert(save_checkpoint(llama_config(), base / "ckpt"), base / "store")
-    yield base / "store"
-    shutil.rmtree(base, ignore_errors=True)
+    with converted("plan-floor") as (_, store):
+        yield store
 
 
 def test_too_little_memory_is_refused_once_loaded_before_anything_is_timed(store: Path) -> None:

@@ -28,10 +28,10 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install 'gds_offload[hf]')")
 
 from helpers.disks import real_disk_base  # noqa: E402
-from helpers.llama import VOCAB, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
+from helpers.llama import VOCAB, converted, meta_skeleton, resident_model  # noqa: E402
 
 from gds_offload.errors import OffloadError  # noqa: E402
-from gds_offload.weights import as_reference, convert, export, load_streamed, schedule  # noqa: E402
+from gds_offload.weights import as_reference, export, load_streamed, schedule  # noqa: E402
 from gds_offload.weights.schedule import MOVES, MemberState, Team  # noqa: E402
 from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
 
@@ -142,11 +142,8 @@ def test_an_interrupted_caller_returns_only_once_a_computing_member_left(interru
 # -- every path that runs a team -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt_store() -> Iterator[tuple[Path, Path]]:
-    base = real_disk_base() / f"gds_offload-team-{os.getpid()}"
-    save_checkpoint(llama_config(), base / "ckpt")
-    convert(base / "ckpt", base / "store")
-    yield base / "ckpt", base / "store"
-    shutil.rmtree(base, ignore_errors=True)
+    with converted("team") as paths:
+        yield paths
 
 
 def _batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:

@@ -17,10 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
 from helpers.disks import is_root, real_disk_base, tmpfs  # noqa: E402
-from helpers.llama import VOCAB, llama_config, meta_skeleton, save_checkpoint  # noqa: E402
+from helpers.llama import VOCAB, converted, meta_skeleton  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
-from gds_offload.weights import convert, load_streamed  # noqa: E402
+from gds_offload.weights import load_streamed  # noqa: E402
 from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="needs root privileges (mounts a read-only bind mount and a small tmpfs)")
@@ -29,10 +29,8 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[Path]:
-    base = real_disk_base() / f"gds_offload-trainer-drive-{os.getpid()}"
-    convert(save_checkpoint(llama_config(), base / "ckpt"), base / "store")
-    yield base / "store"
-    shutil.rmtree(base, ignore_errors=True)
+    with converted("trainer-drive") as (_, store):
+        yield store
 
 
 @pytest.fixture

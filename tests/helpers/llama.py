@@ -4,12 +4,16 @@ Import after ``pytest.importorskip("transformers")``: this module imports transf
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import transformers
 
-__all__ = ["LAYERS", "VOCAB", "llama_config", "meta_skeleton", "resident_model", "save_checkpoint"]
+__all__ = ["LAYERS", "VOCAB", "converted", "llama_config", "meta_skeleton", "resident_model", "save_checkpoint"]
 
 LAYERS, VOCAB = 4, 256
 
@@ -45,3 +49,19 @@ def meta_skeleton(path: Path, *, empty_weights: bool = False) -> torch.nn.Module
 def resident_model(path: Path) -> torch.nn.Module:
     """The checkpoint at ``path`` loaded as transformers loads it, in eval mode."""
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@contextlib.contextmanager
+def converted(name: str) -> Iterator[tuple[Path, Path]]:
+    """The tiny Llama's checkpoint and its converted store, in a directory of their own on a real
+    disk (``name`` tells tests apart), removed after the block."""
+    from gds_offload.weights import convert
+    from helpers.disks import real_disk_base
+
+    base = real_disk_base() / f"gds_offload-{name}-{os.getpid()}"
+    ckpt = save_checkpoint(llama_config(), base / "ckpt")
+    convert(ckpt, base / "store")
+    try:
+        yield ckpt, base / "store"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
