@@ -58,3 +58,9 @@ def test_too_little_memory_is_refused_once_loaded_before_anything_is_timed(store
     need = _advice(refused.value)
     chosen = plan(store, W, memory=need + MiB)  # the measurement's own noise (this process grew a little) aside
     assert chosen.predicted.peak_nbytes <= 0.9 * (need + MiB)
+
+
+def test_a_profile_taken_on_a_busy_machine_says_so(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    with pytest.warns(UserWarning, match=r"measured while other work ran: .*the load average was 64\.0 on \d+ cores before measuring"):
+        plan(store, W, memory="4GiB")

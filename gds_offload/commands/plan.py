@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gds_offload.weights.measure import trust
     from gds_offload.weights.planner import Finetune, Generate, check_feasible, choose
 
     try:
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
                     else Generate(args.prompts, args.prompt_len, args.new_tokens))  # fmt: skip
         check_feasible(args.store, workload, memory)
         profile = _measure(args, workload, memory)
+        doubt = trust(profile.measured)
+        if doubt is not None:
+            print(f"gds-offload plan: warning: the profile was {doubt}", file=sys.stderr)
         plan = choose(profile, workload, memory)
     except (ConfigError, OffloadError, OSError) as exc:
         print(f"gds-offload plan: {exc}", file=sys.stderr)

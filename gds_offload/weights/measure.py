@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,16 @@ from gds_offload.weights.planner import Plan, check_feasible, check_floor, choos
 from gds_offload.weights.stream import load_streamed
 from gds_offload.weights.workload import Finetune, Fit, Generate, Profile, Workload, profile_from
 
-__all__ = ["measure", "main", "memory_limit", "plan"]
+__all__ = ["SETTLED", "measure", "main", "memory_limit", "plan", "settled", "trust"]
 
 _TIMEOUT_S = 600
 #: Timed runs per size, after a warm-up: the median (one run's time varies by a tenth or more on a
 #: shared machine, enough to flip a choice between plans predicted within a few percent).
 _RUNS = 3
+#: The fastest runs of a size agree within this factor, or more are taken (:func:`settled`), up to :data:`_MAX_RUNS`.
+SETTLED = 1.25
+_MAX_RUNS = 9
+_JITTER_S = 1e-3
 
 
 def measure(
@@ -222,23 +227,28 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         return (after[0] - before[0] + after[1] - before[1]) / 2, max(peak() - base_now, 0)
 
     prefill, decode = [], []
+    unsettled: list[str] = []
+    load_before = _load()
     cap = spec["prompts"]
     for b in sorted({min(1, cap), min(4, cap), min(16, cap)}):
         say(f"prefill of {b} x {prompt_len} tokens")
         ids = torch.randint(0, vocab, (b, prompt_len), device=device)
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
-        runs = [two_layers(functools.partial(model, ids)) for _ in range(_RUNS)]
-        prefill.append((b * prompt_len, statistics.median(s for s, _ in runs), max(m for _, m in runs)))
+        seconds, mem = settled(functools.partial(two_layers, functools.partial(model, ids)), f"prefill of {b}", unsettled)
+        prefill.append((b * prompt_len, seconds, mem))
 
     def on_cache(b: int, width: int, past: int) -> tuple[float, int]:
         """``width`` new positions of ``b`` sequences on ``past`` cached: the median seconds and the
         largest peak of the measured runs, after a warm-up (each run on a cache of its own)."""
         ids = torch.randint(0, vocab, (b, width), device=device)
         mask = torch.ones(b, past + width, dtype=torch.long, device=device)
-        runs = [two_layers(functools.partial(model, ids, attention_mask=mask, use_cache=True,
-                                             **{cache_argument(): _random_cache(cfg, b, past, dtype, device)}))
-                for _ in range(1 + _RUNS)]  # fmt: skip
-        return statistics.median(s for s, _ in runs[1:]), max(m for _, m in runs[1:])
+
+        def run() -> tuple[float, int]:
+            cache = {cache_argument(): _random_cache(cfg, b, past, dtype, device)}
+            return two_layers(functools.partial(model, ids, attention_mask=mask, use_cache=True, **cache))
+
+        run()  # warm-up
+        return settled(run, f"{width} positions of {b} on {past} cached", unsettled)
 
     chunked = []
     if prompt_len >= 2:  # a chunk after the first: positions on a cache of the prompt's earlier ones
@@ -275,7 +285,8 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         "head": vars(Fit.through(head)),
         "prefill_transient_nbytes": max(m / r for r, _, m in prefill),
         "decode_transient_nbytes": max(m / r for r, _, m in decode),
-        "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "read": [nbytes, seconds]},
+        "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "read": [nbytes, seconds],
+                     "unsettled": unsettled, "load": [load_before, _load(), os.cpu_count() or 1]},
     }
 
 
@@ -288,6 +299,52 @@ def _check_floor(spec: dict[str, Any], cfg: Any, stats: Any, base: int) -> None:
     text = cfg.get_text_config(decoder=True)
     check_floor(text.to_dict(), workload, spec["memory"], layers=text.num_hidden_layers, layer_nbytes=stats.slot_nbytes,
                 resident_nbytes=stats.resident_nbytes, base_nbytes=base)  # fmt: skip
+
+
+def settled(run: Callable[[], tuple[float, int]], what: str, unsettled: list[str]) -> tuple[float, int]:
+    """Time ``run`` (``(seconds, peak bytes)``) until its :data:`_RUNS` fastest runs lie within
+    :data:`SETTLED` of each other (or a millisecond), at most :data:`_MAX_RUNS` runs: the median of those fastest, and
+    the largest peak seen. Other work on the machine slows some runs and not others (it moved the
+    median of three by 4x here, and with it the plan); a size whose runs never settle is named in
+    ``unsettled`` (the profile says so: :func:`trust`)."""
+    runs = [run() for _ in range(_RUNS)]
+    while True:
+        fastest = sorted(s for s, _ in runs)[:_RUNS]
+        if _agree(fastest) or len(runs) >= _MAX_RUNS:
+            break
+        runs.append(run())
+    if not _agree(fastest):
+        unsettled.append(f"{what}: {len(runs)} runs from {min(s for s, _ in runs):.3g} s to {max(s for s, _ in runs):.3g} s")
+    return statistics.median(fastest), max(m for _, m in runs)
+
+
+def _agree(fastest: list[float]) -> bool:
+    # Within SETTLED of each other, or within a millisecond (a thread's wake-up: below it, the
+    # layer's cost is too small for a plan to depend on)
+    return fastest[-1] <= SETTLED * fastest[0] + _JITTER_S
+
+
+def trust(measured: dict[str, Any]) -> str | None:
+    """Why a profile's timings may not be the machine's own (other work ran while it was measured),
+    or ``None``: sizes whose runs never settled (:func:`settled`), a load average above the cores
+    before measuring began."""
+    why = []
+    unsettled = measured.get("unsettled") or []
+    if unsettled:
+        why.append(f"the repeated runs of {len(unsettled)} sizes never agreed within {SETTLED - 1:.0%} ({unsettled[0]})")
+    load = measured.get("load")
+    if load and load[0] > load[2]:
+        why.append(f"the load average was {load[0]:.1f} on {load[2]} cores before measuring")
+    if not why:
+        return None
+    return "measured while other work ran: " + "; ".join(why) + ": predictions may be off; measure again on a quiet machine"
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def _raise_stop() -> None:
@@ -496,4 +553,8 @@ def plan(
     """
     limit = parse_bytes(memory, name="memory")
     check_feasible(store, workload, limit)
-    return choose(measure(store, workload, device=device, engine=engine, progress=progress, memory=limit), workload, limit)
+    profile = measure(store, workload, device=device, engine=engine, progress=progress, memory=limit)
+    doubt = trust(profile.measured)
+    if doubt is not None:
+        warnings.warn(f"the profile of {store} was {doubt}", stacklevel=2)
+    return choose(profile, workload, limit)
