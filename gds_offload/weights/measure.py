@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
 import statistics
@@ -92,8 +93,13 @@ def measure(
         return profile_from(_in_child(spec, progress))
     dev = torch.device(device)
     devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
-        return profile_from(_child(spec, progress or (lambda what: None), stack))
+    try:
+        with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+            return profile_from(_child(spec, progress or (lambda what: None), stack))
+    finally:
+        # The measured model and its hooks reference each other: only the cycle collector frees
+        # them, and the run this plan is for loads the model again (a second resident group).
+        gc.collect()
 
 
 def _in_child(spec: dict[str, Any], progress: Callable[[str], None] | None) -> dict[str, Any]:
