@@ -3,7 +3,9 @@
 What Accelerate and AirLLM users expect (``AutoModel.from_pretrained(path)`` and done): the store
 is made (or remade) when it is missing or stale, the skeleton built on the meta device from the
 checkpoint's config, the workload planned on this machine under the memory given, and the
-streamed model returned with the plan applied (``generate_many`` takes its shape from it).
+streamed model returned with the plan applied (``generate_many`` takes its shape from it). A
+store trained by :class:`~gds_offload.weights.trainer.StreamedTrainer` gives its last complete
+step (``converted=True``: the converted weights), as :func:`~gds_offload.weights.export.export` does.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def from_pretrained(
         memory: what the run may use (``"1.2GiB"``); without ``workload``, the weights' share of it
             (``load_streamed(max_memory=)``).
         workload: what will run (:class:`~gds_offload.weights.planner.Generate`); ``None``: no plan.
-        load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``).
+        load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``;
+            ``converted=True`` or ``train_dir`` for a trained store).
 
     Raises:
         ConfigError: no ``config.json`` in ``checkpoint``; a plan that cannot fit ``memory``; what
