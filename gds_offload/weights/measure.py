@@ -38,6 +38,7 @@ from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
 from gds_offload.weights.planner import Plan, check_feasible, choose
+from gds_offload.weights.skeleton import empty_model
 from gds_offload.weights.stream import load_streamed
 from gds_offload.weights.workload import Finetune, Fit, Profile, Workload, profile_from
 
@@ -129,8 +130,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     store = Path(spec["store"])
     device = torch.device(spec["device"])
     cfg = transformers.AutoConfig.from_pretrained(store)
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    skeleton = empty_model(cfg)  # every architecture load_streamed streams (computed buffers real)
     if spec.get("kind") == "finetune":
         return _finetune_child(spec, skeleton, cfg, store, device)
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]

@@ -11,9 +11,13 @@ next fill, on the CPU and on CUDA).
 The hooks' contracts, and the invariant that makes a streamed layer compute with exactly the bytes
 the store holds for it, are the module doc of :mod:`gds_offload.weights.layer_hooks`.
 
-A store trained by :class:`~gds_offload.weights.trainer.StreamedTrainer` streams the weights of
-its last complete step (``STORE/train/step.json``), as :func:`~gds_offload.weights.export.export`
-writes them; ``converted=True`` streams the converted weights.
+What the model becomes is what ``transformers``' ``from_pretrained`` of the store's checkpoint
+returns: in eval mode (dropout off; call ``model.train()`` to train with it), with the
+checkpoint's ``generation_config.json`` as ``generate``'s defaults
+(:func:`~gds_offload.weights.store_config.generation_config`), and, for a store trained by
+:class:`~gds_offload.weights.trainer.StreamedTrainer`, the weights of its last complete step
+(``STORE/train/step.json``), as :func:`~gds_offload.weights.export.export` writes them;
+``converted=True`` streams the converted weights.
 
 ``tier="host"`` on the CPU: every layer is read once, at load, into host memory, and the
 parameters point straight at it (a copy into a ring would only move bytes the model can
@@ -81,6 +85,7 @@ from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.schedule import Team
+from gds_offload.weights.store_config import generation_config
 from gds_offload.weights.storefile import StoreFiles, read_group, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
@@ -114,7 +119,9 @@ def load_streamed(
     Args:
         model: the skeleton, e.g. ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``
             or under ``accelerate.init_empty_weights()``. Changed in place: resident tensors
-            become real on ``device``, streamed layers get hooks.
+            become real on ``device``, streamed layers get hooks; it is put in eval mode and
+            given the checkpoint's generation config, as ``from_pretrained`` returns a model
+            (see the module doc; ``model.train()`` before training with dropout).
         store: the store's directory (a list, in conversion order, if it was striped).
         device: where the model computes: ``"cpu"`` or a CUDA device.
         tier: ``"drive"``: layers are read from the store for every forward; ``"host"``: all
@@ -195,6 +202,8 @@ class StreamedModel(LayerHooks):
         self._base = base
         check_config(base, manifest, Path(first))
         self.binding: Binding = bind(base, manifest, where=str(first), rename=adapters.store_name)
+        generating = getattr(base, "can_generate", None)
+        defaults = generation_config(Path(first)) if callable(generating) and generating() else None
         self.model, self.manifest, self.verify, self.device = model, manifest, o.verify, dev
         #: The training step whose weights stream (0: the converted store's; see the module doc).
         self.step = step.step
@@ -264,6 +273,10 @@ class StreamedModel(LayerHooks):
                 parent = (manifest.layer_prefix or "").rpartition(".")[0]
                 self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
+            # As transformers' from_pretrained returns a model: dropout off, the checkpoint's generation defaults.
+            model.eval()
+            if defaults is not None:
+                base.generation_config = defaults
         except BaseException:
             self.close()
             raise
