@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from helpers.disks import real_disk_base  # noqa: E402
 from helpers.gates import ENGINES  # noqa: E402
 
-from gds_offload.errors import ConfigError  # noqa: E402
+from gds_offload.errors import ConfigError, SpillSpaceError  # noqa: E402
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
 from gds_offload.weights.generation import micro_batches  # noqa: E402
 from gds_offload.weights.schedule import Team, TeamCancelled  # noqa: E402
@@ -152,6 +152,24 @@ def test_bad_arguments_are_refused_before_anything_runs(stores: dict[str, tuple[
             with pytest.raises(ConfigError, match=match):
                 lm.generate_many(**kw)
         assert sum(lm.stats().loads) == 0
+
+
+def test_a_kv_cache_the_drive_cannot_hold_names_max_new_tokens(stores: dict[str, tuple[Path, Path]], kv_dir: Path) -> None:
+    """kv='drive' reserves prompt + max_new_tokens positions per micro-batch and layer up front: a
+    max_new_tokens far past what the drive holds is refused before anything is reserved, naming the
+    argument, the bytes per position (4 layers x one 4 KiB record) and the fix; the next call runs."""
+    ckpt, store = stores["llama"]
+    prompts = [torch.arange(1, 10)]
+    with load_streamed(_skeleton(store), store) as lm:
+        need = 4 * 4096 * (9 + 10**10)
+        with pytest.raises(SpillSpaceError, match=rf"reserves each micro-batch's KV cache on the drive up front, for its prompt \+ "
+                                                  rf"max_new_tokens positions at 16384 bytes per position \(4 layers x 4096-byte records .*\): "
+                                                  rf"max_new_tokens=10000000000 with prompts of up to 9 tokens asks for more than the drive "
+                                                  rf"holds: {need} bytes of KV caches .* do not fit in .*: \d+ bytes free there\. Give max_new_tokens "
+                                                  rf"what you will generate, or run fewer or smaller micro-batches .*kv='device'"):  # fmt: skip
+            lm.generate_many(prompts, max_new_tokens=10**10, kv="drive", kv_path=kv_dir, pad_token_id=0)
+        out = lm.generate_many(prompts, max_new_tokens=3, kv="drive", kv_path=kv_dir, pad_token_id=0, **SCORES)
+    _assert_same(out.outputs, _reference(ckpt, out.micro_batches, seed=0, max_new_tokens=3, **SCORES))
 
 
 def test_team_runs_members_layer_major_and_cancels_on_failure() -> None:

@@ -22,7 +22,7 @@ from helpers.gates import ENGINES, cuda_test  # noqa: E402
 from helpers.llama import VOCAB, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
-from gds_offload.weights import StoreFormatError, convert, export, load_streamed  # noqa: E402
+from gds_offload.weights import StoreFormatError, convert, export, from_pretrained, load_streamed  # noqa: E402
 from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
 
 STEPS = 3
@@ -188,7 +188,7 @@ def test_training_resumes_from_the_drive_where_it_stopped(ckpt: Path, store: Pat
 def test_refusals_come_before_anything_is_written(ckpt: Path, store: Path) -> None:
     adamw = OPTIMIZERS["adamw"]
     with load_streamed(meta_skeleton(store), store, verify=True) as lm:
-        with pytest.raises(ConfigError, match="verify=True checks the converted store's checksums"):
+        with pytest.raises(ConfigError, match="verify=True checks the checksums of the weights load_streamed read"):
             StreamedTrainer(lm, adamw)
     with load_streamed(meta_skeleton(store), store, tier="host") as lm:
         with pytest.raises(ConfigError, match="needs layers streamed from the drive"):
@@ -220,9 +220,44 @@ def test_a_damaged_step_file_is_refused_with_the_fix(ckpt: Path, store: Path) ->
     d = json.loads(step.read_text())
     d["groups"].pop("model.layers.2")
     step.write_text(json.dumps(d))
-    with load_streamed(meta_skeleton(store), store) as lm:
+    with pytest.raises(StoreFormatError, match=r"is not a training step of this store .* remove .*train to start again from the store; "
+                                               r"or stream the converted weights: load_streamed\(\.\.\., converted=True\)"):
+        load_streamed(meta_skeleton(store), store)
+    with load_streamed(meta_skeleton(store), store, converted=True) as lm:
         with pytest.raises(StoreFormatError, match=r"is not a training step of this store .* remove .*train to start again"):
             StreamedTrainer(lm, OPTIMIZERS["adamw"])
+
+
+def test_a_trained_store_streams_its_last_complete_step(ckpt: Path, store: Path, tmp_path: Path) -> None:
+    """After StreamedTrainer's steps, load_streamed and from_pretrained stream the last complete step
+    (what export writes and transformers' from_pretrained loads; verify=True checks that step's
+    checksums), converted=True the converted weights; a trainer in a new directory starts from those."""
+    steps = _batches(1)
+    with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
+        for s in steps[:2]:
+            trainer.step(s)
+        assert lm.step == 2
+    export(store, tmp_path / "trained")
+    ids = steps[2][0]["input_ids"]
+    with torch.no_grad():
+        trained, converted = resident_model(tmp_path / "trained")(ids).logits, resident_model(ckpt)(ids).logits
+    assert not torch.equal(trained, converted)
+    for kw in ({}, {"verify": True}, {"train_dir": store / "train"}, {"resident_layers": 1}, {"tier": "host"}):
+        with load_streamed(meta_skeleton(store), store, **kw) as lm, torch.no_grad():
+            assert lm.step == 2 and torch.equal(lm(ids).logits, trained), kw
+    with from_pretrained(ckpt, store=store, memory="8GiB") as lm, torch.no_grad():
+        assert lm.step == 2 and torch.equal(lm(ids).logits, trained)
+    with from_pretrained(ckpt, store=store, memory="8GiB", converted=True) as lm, torch.no_grad():
+        assert lm.step == 0 and torch.equal(lm(ids).logits, converted)
+    with load_streamed(meta_skeleton(store), store, converted=True, verify=True) as lm, torch.no_grad():
+        assert lm.step == 0 and torch.equal(lm(ids).logits, converted)
+    with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"], state_dir=tmp_path / "new"), \
+            torch.no_grad():  # fmt: skip
+        assert lm.step == 0 and torch.equal(lm(ids).logits, converted)
+    with pytest.raises(ConfigError, match=r"train_dir=.*none holds no training step \(no step.json\); pass the directory StreamedTrainer"):
+        load_streamed(meta_skeleton(store), store, train_dir=tmp_path / "none")
+    with pytest.raises(ConfigError, match="converted=True with train_dir=.*: .*pass one of them"):
+        load_streamed(meta_skeleton(store), store, converted=True, train_dir=store / "train")
 
 
 @cuda_test

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from gds_offload.errors import ConfigError
+from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io.directory import spill_dir_origin
 from gds_offload.units import checked_int
-from gds_offload.weights.kv import KVPool, kv_shape
+from gds_offload.weights.kv import KVPool, KVShape, kv_shape
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.planner import Generate, Plan, choose, estimate
 
@@ -136,6 +136,8 @@ def generate_many(
     Raises:
         ConfigError: bad arguments (before anything runs), beam search or several return sequences
             with ``kv="drive"``, a model whose cache the drive cannot hold.
+        SpillSpaceError: ``kv="drive"`` on a drive without room for a wave's caches at prompt +
+            ``max_new_tokens`` positions (the message says how many bytes, and what to change).
     """
     checked_int("max_new_tokens", max_new_tokens, low=1, what="tokens to generate per prompt")
     for bad in ("input_ids", "attention_mask", "past_key_values", "cache", "max_length", "prefill_chunk_size"):
@@ -205,10 +207,12 @@ def _wave(
     device = lm.device
     pool = None
     if placement is KVPlacement.DRIVE:
-
         dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
         shapes = [kv_shape(model.config, batch=mb.input_ids.shape[0], max_positions=mb.input_ids.shape[1] + max_new_tokens, dtype=dtype) for mb in wave]
-        pool = KVPool(shapes, engine=lm.kv_engine(), directory=kv_path or _default_dir(), device=device)
+        try:
+            pool = KVPool(shapes, engine=lm.kv_engine(), directory=kv_path or _default_dir(), device=device)
+        except SpillSpaceError as exc:
+            raise SpillSpaceError(_no_room(shapes, max_new_tokens, exc)) from exc
 
     def call(j: int, mb: MicroBatch) -> Any:
         extra: dict[str, Any] = {} if pool is None else {cache_argument(): pool.cache(j)}
@@ -224,6 +228,17 @@ def _wave(
         if pool is not None:
             lm.note_kv(pool.bytes_read, pool.bytes_written)
             pool.close()
+
+
+def _no_room(shapes: list[KVShape], max_new_tokens: int, exc: SpillSpaceError) -> str:
+    """What asked the drive for the room it lacks (``exc``), and what to change."""
+    s = shapes[0]
+    prompt = max(x.max_positions for x in shapes) - max_new_tokens
+    return (f"kv='drive' reserves each micro-batch's KV cache on the drive up front, for its prompt + max_new_tokens positions "
+            f"at {s.layers * s.record_nbytes} bytes per position ({s.layers} layers x {s.record_nbytes}-byte records of keys and values "
+            f"of {s.batch} sequences): max_new_tokens={max_new_tokens} with prompts of up to {prompt} tokens asks for more than "
+            f"the drive holds: {exc}. Give max_new_tokens what you will generate, or run fewer or "
+            f"smaller micro-batches (per_load=, micro_batch=), a kv_path on a drive with room, or kv='device'")  # fmt: skip
 
 
 def cache_argument() -> str:

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from gds_offload.activations.spill.store import SpillStore
-from gds_offload.errors import ConfigError, OffloadError
+from gds_offload.activations.spill.store import SpillStore, free_bytes
+from gds_offload.errors import ConfigError, OffloadError, SpillSpaceError
 from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.layout import Slot, align_up
 from gds_offload.weights.interrupts import wait_done
@@ -75,6 +75,11 @@ class KVShape:
         """The whole micro-batch's cache at ``max_positions``, in memory."""
         return self.layers * self.layer_nbytes
 
+    @property
+    def drive_nbytes(self) -> int:
+        """The whole micro-batch's cache at ``max_positions``, on the drive (whole records)."""
+        return self.layers * self.max_positions * self.record_nbytes
+
 
 def kv_shape(config: Any, *, batch: int, max_positions: int, dtype: torch.dtype) -> KVShape:
     """The :class:`KVShape` of a Hugging Face decoder ``config``'s cache.
@@ -106,6 +111,10 @@ class KVPool:
             :func:`~gds_offload.attach` checks its own).
         device: where the keys and values are computed and used.
 
+    Raises:
+        SpillSpaceError: the drive has no room for every region at ``max_positions`` (checked
+            before any is reserved, from the free space ``statvfs`` reports).
+
     Every method runs on the team member whose turn it is (one at a time); reads and writes
     complete on the engine's threads. :meth:`close` waits for them and deletes the file.
     """
@@ -117,6 +126,10 @@ class KVPool:
         self._store = SpillStore([Path(directory)], create=True)
         self._lock = threading.Lock()
         try:
+            need, free = sum(s.drive_nbytes for s in shapes), free_bytes(Path(directory))
+            if need > free:  # before fallocate takes what there is
+                raise SpillSpaceError(f"{need} bytes of KV caches ({len(shapes)} micro-batches, up to {max(s.max_positions for s in shapes)} "
+                                      f"positions each) do not fit in {directory}: {free} bytes free there")  # fmt: skip
             self._regions = {(i, k): self._store.allocate(s.max_positions * s.record_nbytes) for i, s in enumerate(shapes) for k in range(s.layers)}
         except BaseException:
             self._store.close()

@@ -43,6 +43,7 @@ from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.generation import cache_argument
 from gds_offload.weights.malloc import predictable_malloc
 from gds_offload.weights.planner import Plan, check_feasible, check_floor, choose
+from gds_offload.weights.skeleton import empty_model
 from gds_offload.weights.stream import load_streamed
 from gds_offload.weights.workload import Finetune, Fit, Generate, Profile, Workload, profile_from
 
@@ -207,8 +208,7 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
     store = Path(spec["store"])
     device = torch.device(spec["device"])
     cfg = transformers.AutoConfig.from_pretrained(store)
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    skeleton = empty_model(cfg)  # every architecture load_streamed streams (computed buffers real)
     if spec.get("kind") == "finetune":
         return _finetune_child(spec, skeleton, cfg, store, device, say, stack)
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import difflib
 import enum
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -51,6 +53,11 @@ class StreamOptions:
     verify: bool
     engine: str
     num_threads: int | None
+    #: Stream the converted store's weights even where a training step exists.
+    converted: bool = False
+    #: A :class:`~gds_offload.weights.trainer.StreamedTrainer` directory to stream the last step of
+    #: (``None``: ``STORE/train``, when it holds one).
+    train_dir: Path | None = None
 
     @classmethod
     def from_kwargs(
@@ -64,6 +71,8 @@ class StreamOptions:
         verify: object = False,
         engine: object = "auto",
         num_threads: object = None,
+        converted: object = False,
+        train_dir: object = None,
     ) -> StreamOptions:
         """Validate ``load_streamed``'s keyword arguments.
 
@@ -87,6 +96,12 @@ class StreamOptions:
         threads = None if num_threads is None else checked_int(
             "num_threads", num_threads, low=1, what="engine threads doing the reads; None for the engine's default"
         )
+        if train_dir is not None and not isinstance(train_dir, (str, os.PathLike)):
+            raise ConfigError(f"train_dir={train_dir!r} ({type(train_dir).__name__}) is not a path; pass the directory "
+                              "StreamedTrainer(state_dir=...) wrote, or None for STORE/train")  # fmt: skip
+        if checked_bool("converted", converted) and train_dir is not None:
+            raise ConfigError(f"converted=True with train_dir={train_dir!r}: converted streams the store's own weights, train_dir a "
+                              "training step; pass one of them")  # fmt: skip
         if max_memory is not None and not isinstance(max_memory, (int, float, str)):
             raise ConfigError(f"max_memory={max_memory!r} ({type(max_memory).__name__}) is not a size; pass an int or a string like '20GiB'")
         return cls(
@@ -98,6 +113,8 @@ class StreamOptions:
             verify=checked_bool("verify", verify),
             engine=engine,
             num_threads=threads,
+            converted=converted is True,
+            train_dir=None if train_dir is None else Path(train_dir),
         )
 
 

@@ -1,9 +1,14 @@
 """One call from a checkpoint to a planned, streamed model: :func:`from_pretrained`.
 
 What Accelerate and AirLLM users expect (``AutoModel.from_pretrained(path)`` and done): the store
-is made (or remade) when it is missing or stale, the skeleton built on the meta device from the
-checkpoint's config, the workload planned on this machine under the memory given, and the
-streamed model returned with the plan applied (``generate_many`` takes its shape from it).
+is made (or remade) when it is missing or stale, the skeleton built from the checkpoint's config
+(:func:`~gds_offload.weights.skeleton.empty_model`: weights on the meta device, buffers computed,
+so every architecture ``load_streamed`` streams), the workload planned on this machine under the
+memory given, and the streamed model returned with the plan applied (``generate_many`` takes its
+shape from it). As ``transformers``' own ``from_pretrained``, the model is in eval mode and
+``generate`` takes its defaults from the checkpoint's ``generation_config.json``; a store trained
+by :class:`~gds_offload.weights.trainer.StreamedTrainer` gives its last complete step
+(``converted=True``: the converted weights), as :func:`~gds_offload.weights.export.export` does.
 """
 from __future__ import annotations
 
@@ -13,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 
 from gds_offload.errors import ConfigError
@@ -22,6 +26,7 @@ from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.manifest import read_manifest
 from gds_offload.weights.measure import plan
 from gds_offload.weights.planner import Generate, Plan
+from gds_offload.weights.skeleton import check_empty_model, empty_model
 from gds_offload.weights.stream import load_streamed
 
 __all__ = ["from_pretrained", "stale_reason"]
@@ -69,15 +74,17 @@ def from_pretrained(
         memory: what the run may use (``"1.2GiB"``); without ``workload``, the weights' share of it
             (``load_streamed(max_memory=)``).
         workload: what will run (:class:`~gds_offload.weights.planner.Generate`); ``None``: no plan.
-        load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``).
+        load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``;
+            ``converted=True`` or ``train_dir`` for a trained store).
 
     Raises:
-        ConfigError: no ``config.json`` in ``checkpoint``; a plan that cannot fit ``memory``; what
-            ``convert``, ``plan`` and ``load_streamed`` raise.
+        ConfigError: no ``config.json`` in ``checkpoint``; Accelerate not installed; a plan that
+            cannot fit ``memory``; what ``convert``, ``plan`` and ``load_streamed`` raise.
     """
     ckpt, out = Path(checkpoint), Path(store)
     if not (ckpt / "config.json").is_file():
         raise ConfigError(f"{ckpt} has no config.json: from_pretrained builds the model from it; pass a Hugging Face checkpoint directory")
+    check_empty_model()
     why = stale_reason(ckpt, out)
     if why is not None:
         if progress is not None:
@@ -86,9 +93,7 @@ def from_pretrained(
     chosen: Plan | None = None
     if workload is not None:
         chosen = plan(out, workload, memory=memory, device=device, engine=engine, progress=progress)
-    cfg = transformers.AutoConfig.from_pretrained(out)
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    skeleton = empty_model(transformers.AutoConfig.from_pretrained(out))
     if chosen is not None:
         return load_streamed(skeleton, out, device=device, engine=engine, plan=chosen, **load_kwargs)
     return load_streamed(skeleton, out, device=device, engine=engine, max_memory=memory, **load_kwargs)

@@ -11,7 +11,8 @@ for byte, and the manifest records each one's SHA-256 (``None``: the checkpoint 
 and then neither has the store). :func:`check_copied` refuses a store whose copy is not the
 one recorded, so a config left by an earlier store, or put there later, is never mistaken
 for the store's own. Stores of format 1 recorded no ``generation_config.json`` hash; theirs
-is not checked.
+is not checked. :func:`generation_config` reads the copies back as ``transformers`` reads the
+checkpoint's, so a streamed model's ``generate`` has the defaults the resident model's has.
 """
 from __future__ import annotations
 
@@ -28,7 +29,16 @@ from gds_offload.weights.trust import open_dir, read_file
 if TYPE_CHECKING:
     from gds_offload.weights.manifest import Manifest
 
-__all__ = ["CONFIG_NAME", "GENERATION_CONFIG_NAME", "VOLATILE_CONFIG_KEYS", "canonical_config", "check_config", "check_copied", "config_fingerprint"]
+__all__ = [
+    "CONFIG_NAME",
+    "GENERATION_CONFIG_NAME",
+    "VOLATILE_CONFIG_KEYS",
+    "canonical_config",
+    "check_config",
+    "check_copied",
+    "config_fingerprint",
+    "generation_config",
+]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -113,6 +123,26 @@ def check_copied(dfd: int, store: Path, manifest: Manifest) -> None:
                 f"{want[:12]}... in {store / 'manifest.json'}): it was replaced or edited since. Put the checkpoint's "
                 f"{name} back, or convert the checkpoint again"
             )
+
+
+def generation_config(store: Path) -> Any:
+    """The ``GenerationConfig`` that ``transformers``' ``from_pretrained`` gives a model of the
+    checkpoint the store at ``store`` was converted from (its ``adjust_generation_fn``): from the
+    store's copy of ``generation_config.json``, else the generation settings of its ``config.json``
+    (older checkpoints keep them there). ``None`` without transformers or either file. The copies
+    are the ones the manifest records (:func:`check_copied`, at :func:`~gds_offload.weights.manifest.read_manifest`).
+    """
+    try:
+        from transformers import GenerationConfig
+    except ImportError:
+        return None
+    try:
+        return GenerationConfig.from_pretrained(store)
+    except OSError:  # none, or not JSON: transformers then reads config.json's settings too
+        pass
+    if not (store / CONFIG_NAME).is_file():
+        return None
+    return GenerationConfig.from_pretrained(store, config_file_name=CONFIG_NAME, _from_model_config=True)
 
 
 def _store_config(store: Path) -> dict[str, Any]:

@@ -11,6 +11,14 @@ next fill, on the CPU and on CUDA).
 The hooks' contracts, and the invariant that makes a streamed layer compute with exactly the bytes
 the store holds for it, are the module doc of :mod:`gds_offload.weights.layer_hooks`.
 
+What the model becomes is what ``transformers``' ``from_pretrained`` of the store's checkpoint
+returns: in eval mode (dropout off; call ``model.train()`` to train with it), with the
+checkpoint's ``generation_config.json`` as ``generate``'s defaults
+(:func:`~gds_offload.weights.store_config.generation_config`), and, for a store trained by
+:class:`~gds_offload.weights.trainer.StreamedTrainer`, the weights of its last complete step
+(``STORE/train/step.json``), as :func:`~gds_offload.weights.export.export` writes them;
+``converted=True`` streams the converted weights.
+
 ``tier="host"`` on the CPU: every layer is read once, at load, into host memory, and the
 parameters point straight at it (a copy into a ring would only move bytes the model can
 use where they are); nothing happens per forward.
@@ -47,7 +55,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +72,20 @@ from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
+from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.generation import ManyOutput, generate_many
+from gds_offload.weights.generations import STEP_NAME, Generations, Step
 from gds_offload.weights.interrupts import held
 from gds_offload.weights.layer_hooks import LayerHooks
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
-from gds_offload.weights.manifest import TENSOR_ALIGN, GroupEntry, check_config, read_manifest
+from gds_offload.weights.manifest import TENSOR_ALIGN, GroupEntry, Manifest, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
 from gds_offload.weights.planner import Plan
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.schedule import Team
+from gds_offload.weights.store_config import generation_config
 from gds_offload.weights.storefile import StoreFiles, read_group, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
@@ -100,13 +111,17 @@ def load_streamed(
     engine: str = "auto",
     num_threads: int | None = None,
     plan: Plan | None = None,
+    converted: bool = False,
+    train_dir: str | os.PathLike[str] | None = None,
 ) -> StreamedModel:
     """Give a model skeleton (built on the meta device) its weights from a store, streaming its layers.
 
     Args:
         model: the skeleton, e.g. ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``
             or under ``accelerate.init_empty_weights()``. Changed in place: resident tensors
-            become real on ``device``, streamed layers get hooks.
+            become real on ``device``, streamed layers get hooks; it is put in eval mode and
+            given the checkpoint's generation config, as ``from_pretrained`` returns a model
+            (see the module doc; ``model.train()`` before training with dropout).
         store: the store's directory (a list, in conversion order, if it was striped).
         device: where the model computes: ``"cpu"`` or a CUDA device.
         tier: ``"drive"``: layers are read from the store for every forward; ``"host"``: all
@@ -126,20 +141,27 @@ def load_streamed(
         plan: a :class:`~gds_offload.weights.planner.Plan` (:func:`~gds_offload.weights.planner.plan`): its
             ``slots`` and ``resident_layers`` (an explicit argument that differs is refused), kept for
             :meth:`StreamedModel.generate_many`.
+        converted: stream the converted weights even where ``STORE/train`` holds a training step.
+        train_dir: the directory a :class:`~gds_offload.weights.trainer.StreamedTrainer` wrote
+            (``state_dir``): its last complete step is streamed. Default ``STORE/train``, when it
+            holds a step; otherwise the converted weights.
 
     Returns:
         A :class:`StreamedModel`; close it (or use it as a context manager) to stop the reads.
 
     Raises:
-        ConfigError: a bad argument, or no CUDA for a CUDA device. ConfigMismatchError: the model's
-            config is not the store's. WeightsMismatchError: missing, extra or mis-shaped tensors (all listed).
-        StoreFormatError: no store, or a damaged one. StoreCorruptError: a group read at load fails its checksum.
+        ConfigError: a bad argument, no CUDA for a CUDA device, a ``train_dir`` given that holds no step.
+        ConfigMismatchError: the model's config is not the store's. WeightsMismatchError: missing,
+            extra or mis-shaped tensors (all listed).
+        StoreFormatError: no store, or a damaged one (or a damaged training step). StoreCorruptError:
+            a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
     if plan is not None:
         slots, resident_layers = plan.ring_shape(slots=slots, resident_layers=resident_layers, max_memory=max_memory)
     options = StreamOptions.from_kwargs(device=device, tier=tier, slots=2 if slots is None else slots, resident_layers=resident_layers,
-                                        max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads)  # fmt: skip
+                                        max_memory=max_memory, verify=verify, engine=engine, num_threads=num_threads,
+                                        converted=converted, train_dir=train_dir)  # fmt: skip
     lm = StreamedModel(model, store, options)
     lm.plan = plan
     return lm
@@ -168,8 +190,11 @@ class StreamedModel(LayerHooks):
             warnings.warn(f"{first}: tensors start at multiples of {manifest.tensor_align} bytes (a store written before {TENSOR_ALIGN}); "
                           f"cuBLAS may pick other kernels for them than for the resident model's, so outputs may differ in the last "
                           f"bits. Convert it again (gds-offload convert --force) for {TENSOR_ALIGN}-byte offsets", stacklevel=3)  # fmt: skip
-        layers = manifest.layers
-        plan = plan_residency(manifest.resident, layers, slots=o.slots, max_memory=o.max_memory, resident_layers=o.resident_layers,
+        self._dirs = resolve_dirs(store, manifest)
+        gens, step = _training_step(manifest, self._dirs, o)
+        reading = _as_of(manifest, step)  # the groups with the checksums of the step read
+        layers = reading.layers
+        plan = plan_residency(reading.resident, layers, slots=o.slots, max_memory=o.max_memory, resident_layers=o.resident_layers,
                               hold_all=o.tier == "host" and dev.type == "cpu")  # fmt: skip
         base, adapters = unwrap(model)  # a PeftModel: its transformers model, and the LoRA adapters on it
         adapters.check_streamed(g.name for g in layers[plan.resident_layers :])
@@ -177,13 +202,16 @@ class StreamedModel(LayerHooks):
         self._base = base
         check_config(base, manifest, Path(first))
         self.binding: Binding = bind(base, manifest, where=str(first), rename=adapters.store_name)
+        generating = getattr(base, "can_generate", None)
+        defaults = generation_config(Path(first)) if callable(generating) and generating() else None
         self.model, self.manifest, self.verify, self.device = model, manifest, o.verify, dev
-        self._dirs = resolve_dirs(store, manifest)
+        #: The training step whose weights stream (0: the converted store's; see the module doc).
+        self.step = step.step
         # Allocate.
         in_memory = layers[: plan.resident_layers]
         self._streamed: list[GroupEntry] = layers[len(in_memory) :]
         self._layers = [base.get_submodule(g.name) for g in self._streamed]
-        self._files = StoreFiles(self._dirs, manifest)
+        self._files = gens.files() if gens is not None else StoreFiles(self._dirs, manifest)
         self._res: list[Any] = [self._files]  # closed in reverse order by the finalizer
         self._finalizer = release_when_collected(self, _shutdown, self._res)
         self._hooks: list[Any] = []
@@ -207,7 +235,7 @@ class StreamedModel(LayerHooks):
             if self._streamed and o.tier == "drive" and (dev.type != "cpu" or o.engine != "auto"):
                 reads = make_read_engine(o.engine, dev, self._dirs[0], o.num_threads)
                 self._res.append(reads)
-            resident = ([manifest.resident] if manifest.resident else []) + in_memory
+            resident = ([reading.resident] if reading.resident else []) + in_memory
             resident_nbytes = load_resident(self._loader, self._files, self.binding, resident, dev, verify=o.verify)
             rebuild_meta_buffers(base, dev)
             move_free_buffers(base, dev)
@@ -245,6 +273,10 @@ class StreamedModel(LayerHooks):
                 parent = (manifest.layer_prefix or "").rpartition(".")[0]
                 self._pass = PassForward(base.get_submodule(parent) if parent else base, self._run_pass)
                 self._prefetch.fill()  # the first forward's first layers start now
+            # As transformers' from_pretrained returns a model: dropout off, the checkpoint's generation defaults.
+            model.eval()
+            if defaults is not None:
+                base.generation_config = defaults
         except BaseException:
             self.close()
             raise
@@ -318,10 +350,10 @@ class StreamedModel(LayerHooks):
                            for pos, g in enumerate(self._streamed)]  # fmt: skip
             self._prefetch.restart()
 
-    def use_files(self, files: StoreFiles) -> StoreFiles:
-        """Read the streamed layers from ``files`` (same layout, new bytes: a training step's) from
-        now on; returns the files read until now (the caller closes them). Waits for the fills in
-        flight and forgets what every slot holds."""
+    def use_files(self, files: StoreFiles, *, step: int | None = None) -> StoreFiles:
+        """Read the streamed layers from ``files`` (same layout, new bytes: training step ``step``'s,
+        which :attr:`step` then says) from now on; returns the files read until now (the caller
+        closes them). Waits for the fills in flight and forgets what every slot holds."""
         ring = self._ring
         if not isinstance(ring, HostRing) or self._prefetch is None:
             raise ConfigError("this StreamedModel reads nothing from the drive per forward: no files to replace")
@@ -330,6 +362,8 @@ class StreamedModel(LayerHooks):
             old, ring.files, self._files = self._files, files, files
             self._res[self._res.index(old)] = files
             self._prefetch.forget()
+            if step is not None:
+                self.step = step
         return old
 
     def note_replan(self, why: str) -> None:
@@ -447,6 +481,35 @@ class StreamedModel(LayerHooks):
                 t.register_post_accumulate_grad_hook(functools.partial(_hand_over, on_grad, n))
             views.append((n, t))
         return views
+
+
+def _training_step(manifest: Manifest, dirs: list[Path], o: StreamOptions) -> tuple[Generations | None, Step]:
+    """The training step to stream (see the module doc) and its directory's generations
+    (``None``: the converted store's files are read).
+
+    Raises:
+        ConfigError: ``train_dir`` holds no step. StoreFormatError: a damaged ``step.json``.
+    """
+    if o.converted:
+        return None, Step()
+    root = o.train_dir if o.train_dir is not None else dirs[0] / "train"
+    try:
+        gens = Generations(root, manifest, dirs)
+    except StoreFormatError as exc:
+        raise type(exc)(f"{exc}; or stream the converted weights: load_streamed(..., converted=True)") from exc
+    if gens.current.generation is None:
+        if o.train_dir is not None:
+            raise ConfigError(f"train_dir={o.train_dir} holds no training step (no {STEP_NAME}); pass the directory "
+                              "StreamedTrainer(state_dir=...) wrote, or leave train_dir out")  # fmt: skip
+        return None, gens.current
+    return gens, gens.current
+
+
+def _as_of(manifest: Manifest, step: Step) -> Manifest:
+    """``manifest`` with each group's checksum that of ``step`` (``verify=True`` checks a trained step's bytes)."""
+    if step.generation is None:
+        return manifest
+    return replace(manifest, groups=[replace(g, xxh3_64=step.groups[g.name]) for g in manifest.groups])
 
 
 def _hand_over(on_grad: Callable[[str, torch.Tensor], None], name: str, param: torch.Tensor) -> None:

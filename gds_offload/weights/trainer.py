@@ -87,7 +87,9 @@ class StreamedTrainer:
         lm: a :class:`StreamedModel` of a plain transformers model, ``tier="drive"``.
         optimizer: builds the optimizer for a list of parameters (called once for the resident
             parameters, kept as :attr:`optimizer`, and at every step for each streamed layer).
-        state_dir: where the steps go (default ``STORE/train``); an existing one is resumed at its last complete step.
+        state_dir: where the steps go (default ``STORE/train``); an existing one is resumed at its last
+            complete step, a new one starts from the converted weights: ``lm`` is put at that step's
+            weights whichever step :func:`~gds_offload.weights.stream.load_streamed` read.
 
     Raises:
         ConfigError: LoRA adapters, ``verify=True``, nothing streamed from the drive, an
@@ -100,7 +102,7 @@ class StreamedTrainer:
         if base is not lm.model:
             raise ConfigError("StreamedTrainer trains every weight of a plain model; for LoRA adapters use lm.accumulate(batches) and your optimizer")
         if lm.verify:
-            raise ConfigError("verify=True checks the converted store's checksums, which trained weights no longer match; "
+            raise ConfigError("verify=True checks the checksums of the weights load_streamed read, which every step changes; "
                               "load_streamed(..., verify=False) (the trainer checks every step's bytes itself)")  # fmt: skip
         if lm.engine is None:
             raise ConfigError("StreamedTrainer needs layers streamed from the drive (tier='drive', at least one layer not resident)")
@@ -129,7 +131,7 @@ class StreamedTrainer:
         self._params_of = [[n for n in lm.binding.by_group.get(g.name, []) if lm.binding.targets[n][0].is_param] for g in self._streamed]
         self._pending = _Pending(self._gens, self._engine, micro_batches=None)
         try:
-            if self._gens.current.generation is not None:
+            if self._gens.current.generation is not None or lm.step != 0:
                 self._restore()
             lm.train_layers(self._on_grad)
         except BaseException:
@@ -245,7 +247,7 @@ class StreamedTrainer:
         with held():  # the step on the drive and the files the model reads change together
             step = self._gens.commit(writer)
             p.committed = True
-            self._lm.use_files(self._gens.files(step)).close()
+            self._lm.use_files(self._gens.files(step), step=step.step).close()
 
     def _update_layer(self, pos: int, g: GroupEntry, files: StoreFiles, writer: StepWriter, *, after: int | None) -> None:
         """Update streamed layer ``pos``; the reads of layer ``after`` (the next to update) start once
@@ -355,7 +357,7 @@ class StreamedTrainer:
             p = self._resident.get(n)
             if p is not None:
                 self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
-        self._lm.use_files(self._gens.files()).close()
+        self._lm.use_files(self._gens.files(), step=self._gens.current.step).close()
 
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         """The optimizer state of parameter ``name`` (the store's name) after the last step: the
