@@ -53,7 +53,7 @@ def _batch() -> list[dict[str, torch.Tensor]]:
 
 def test_a_read_only_store_is_refused_at_construction_and_the_fix_works(readonly: Path, tmp_path: Path) -> None:
     with load_streamed(meta_skeleton(readonly), readonly) as lm:
-        with pytest.raises(ConfigError, match=rf"{readonly / 'train'}: Read-only file system; pass StreamedTrainer\(\.\.\., state_dir=DIR\)"):
+        with pytest.raises(ConfigError, match=rf"cannot write its steps into {readonly / 'train'} \({readonly}: Read-only file system\); pass StreamedTrainer\(\.\.\., state_dir=DIR\)"):
             StreamedTrainer(lm, ADAMW)
         assert sum(lm.stats().loads) == 0, "refused before any forward"
         state = real_disk_base() / f"gds_offload-trainer-state-{os.getpid()}"

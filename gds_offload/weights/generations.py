@@ -269,8 +269,8 @@ class Generations:
 
     # -- writing ------------------------------------------------------------------------------
     def check_writable(self, state_per_weight_byte: float) -> None:
-        """Refuse, before any step computes, a training directory this process cannot write or
-        whose drive lacks room for the next generation: every group's weights and
+        """Refuse, before any step computes (and creating nothing), a training directory this process
+        cannot write or whose drive lacks room for the next generation: every group's weights and
         ``state_per_weight_byte`` times as many bytes of optimizer state (the files of the
         generation it replaces count as room: they are unlinked first).
 
@@ -279,21 +279,21 @@ class Generations:
                 ours to write, or the drive is too full; the message names it and the fix.
         """
         fix = "pass StreamedTrainer(..., state_dir=DIR) on a writable drive with room, or make the store's drive writable"
+        where = Path(os.path.abspath(self.root))
+        while not os.path.lexists(where) and where != where.parent:
+            where = where.parent  # the directory the first step creates its path in: nothing is made here
+        probe = f".gds_offload-write-probe-{os.getpid()}"
         try:
-            make_dirs(self.root)
-            dfd = open_dir(self.root)
+            dfd = open_dir(where) if where == Path(os.path.abspath(self.root)) else os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise ConfigError(f"StreamedTrainer cannot create its training directory {self.root}: {exc.strerror}; {fix}") from exc
-        probe = ".write-probe"
+            raise ConfigError(f"StreamedTrainer cannot use its training directory {self.root}: {where}: {exc.strerror}; {fix}") from exc
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(probe, dir_fd=dfd)
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             os.close(fd)
             os.unlink(probe, dir_fd=dfd)
             st = os.fstatvfs(dfd)
         except OSError as exc:
-            raise ConfigError(f"StreamedTrainer cannot write its steps into {self.root}: {exc.strerror}; {fix}") from exc
+            raise ConfigError(f"StreamedTrainer cannot write its steps into {self.root} ({where}: {exc.strerror}); {fix}") from exc
         finally:
             os.close(dfd)
         weights = sum(f.nbytes for f in self.manifest.files)
