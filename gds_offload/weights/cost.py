@@ -101,9 +101,13 @@ def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
     weights = p.base_nbytes + c.resident_layers * p.layer_nbytes + min(c.slots, p.layers - c.resident_layers) * p.layer_nbytes
     # Every sequence in flight holds two hidden states between layers: the one a layer takes, and
     # the embeddings the decoder's forward keeps to its end (Hugging Face decoders keep ``inputs_embeds``).
-    prefill = _kv_nbytes(p, c, seqs, w.prompt_len, chunk) + 2 * seqs * chunk * p.hidden_nbytes + p.prefill_transient_nbytes * b * chunk
+    per_token = p.prefill_transient_nbytes if chunk >= w.prompt_len else max(p.prefill_transient_nbytes, p.prefill_chunked_transient_nbytes)
+    prefill = _kv_nbytes(p, c, seqs, w.prompt_len, chunk) + 2 * seqs * chunk * p.hidden_nbytes + per_token * b * chunk
     decode = _kv_nbytes(p, c, seqs, w.prompt_len + w.new_tokens, 1) + 2 * seqs * p.hidden_nbytes + p.decode_transient_nbytes * b
-    return int(weights + max(prefill, decode) + seqs * p.logits_nbytes)
+    # Each member suspended at a hand-over keeps generate's fp32 copy of its last logits and the
+    # processed scores (a new tensor whenever a logits processor runs: min_new_tokens, temperature,
+    # top-k, ...); the member computing its head holds its logits as the model returns them too.
+    return int(weights + max(prefill, decode) + (2 * seqs + b) * p.logits_nbytes)
 
 
 def _kv_nbytes(p: Profile, c: Choice, seqs: int, positions: int, new: int) -> int:

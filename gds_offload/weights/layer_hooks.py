@@ -43,7 +43,7 @@ from torch import nn
 
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.weights.interrupts import deliver, held
-from gds_offload.weights.malloc import predictable_malloc
+from gds_offload.weights.malloc import predictable_malloc, release_free
 from gds_offload.weights.schedule import Team
 
 if TYPE_CHECKING:
@@ -201,6 +201,7 @@ class LayerHooks:
                 self._turn.dismiss()
                 self._end_layer()  # the last round's layer
                 self._turn.exit()
+            release_free()  # the wave's freed heap goes back: the next wave's peak is its own
 
     def _bind_for_recompute(self, pos: int, module: nn.Module) -> bool:
         assert self._prefetch is not None, "a recompute without a ring"

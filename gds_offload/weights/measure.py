@@ -256,17 +256,33 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         run()  # warm-up
         return settled(run, f"{width} positions of {b} on {past} cached", unsettled)
 
+    def peak_on_cache(b: int, width: int, past: int) -> int:
+        """The peak of one forward of ``width`` new positions of ``b`` sequences on ``past`` cached (memory only)."""
+        ids = torch.randint(0, vocab, (b, width), device=device)
+        mask = torch.ones(b, past + width, dtype=torch.long, device=device)
+        cache = {cache_argument(): _random_cache(cfg, b, past, dtype, device)}
+        return two_layers(functools.partial(model, ids, attention_mask=mask, use_cache=True, **cache))[1]
+
     chunked = []
+    chunked_peak = 0.0
     if prompt_len >= 2:  # a chunk after the first: positions on a cache of the prompt's earlier ones
         chunk = max(prompt_len // 4, 1)
         past = max((prompt_len - chunk) // 2, 1)  # a chunked prefill's mean cache
-        for b in sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)}):  # up to half the largest whole prompts' tokens
+        sizes = sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)})  # up to half the largest whole prompts' tokens
+        for b in sizes:
             say(f"prefill chunks of {b} x {chunk} tokens on {past} cached")
             chunked.append((b * chunk, on_cache(b, chunk, past)[0]))
+        # A chunk's memory grows with the cache it attends to (GQA's keys and values expanded per
+        # head, the scores): the peak is the last chunk's, on the longest cache.
+        say(f"the last prefill chunk's memory: {sizes[-1]} x {chunk} tokens on {prompt_len - chunk} cached")
+        chunked_peak = peak_on_cache(sizes[-1], chunk, prompt_len - chunk) / (sizes[-1] * chunk)
     ctx = prompt_len + new_tokens // 2
     for b in sorted({min(8, cap), min(32, cap), min(128, cap)}):
         say(f"decode of {b} sequences at {ctx} positions")
         decode.append((b, *on_cache(b, 1, ctx)))
+    last = prompt_len + new_tokens - 1  # the last decode step's cache: its memory is the decode's peak
+    say(f"the last decode step's memory: {decode[-1][0]} sequences at {last + 1} positions")
+    decode_peak = peak_on_cache(decode[-1][0], 1, last) / decode[-1][0]
     stop.remove()
     head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
     text = cfg.get_text_config(decoder=True)
@@ -290,7 +306,8 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         "decode": vars(Fit.through([(r, s) for r, s, _ in decode])),
         "head": vars(Fit.through(head)),
         "prefill_transient_nbytes": max(m / r for r, _, m in prefill),
-        "decode_transient_nbytes": max(m / r for r, _, m in decode),
+        "prefill_chunked_transient_nbytes": chunked_peak,
+        "decode_transient_nbytes": max(max(m / r for r, _, m in decode), decode_peak),
         "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "read": [nbytes, seconds],
                      "unsettled": unsettled, "load": [load_before, _load(), os.cpu_count() or 1]},
     }

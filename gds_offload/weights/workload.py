@@ -126,12 +126,15 @@ class Profile:
     decode: Fit  #: one layer's decode-step time against sequences (at the workload's mean context)
     head: Fit  #: the head's time against sequences (one position each)
     prefill_transient_nbytes: float  #: one micro-batch's peak inside a layer, per prefill token
-    decode_transient_nbytes: float  #: the same per decode sequence
+    decode_transient_nbytes: float  #: the same per decode sequence, at the last step's context (the longest)
     write_Bps: float = 0.0  #: the drive's write rate (0: same as read_Bps)
     #: One layer's forward of a prefill chunk after the first (positions on a cache of earlier ones)
     #: against tokens; ``None``: priced as a whole prompt's (:attr:`prefill`). Measured apart: attending
     #: to a cache and growing it cost per token what a whole prompt's causal forward does not.
     prefill_chunked: Fit | None = None
+    #: One micro-batch's peak inside a layer per token of a prefill chunk, on the longest cache a
+    #: chunk attends to (the last chunk's): it grows with the cache, unlike a whole prompt's per token.
+    prefill_chunked_transient_nbytes: float = 0.0
     #: Fine-tuning (measured with LoRA adapters): one layer's forward with grad and its backward, against tokens.
     train_forward: Fit = Fit(0.0, 0.0)
     train_backward: Fit = Fit(0.0, 0.0)
