@@ -274,21 +274,34 @@ def test_read_buffers_are_reused_once_freed_and_the_idle_pool_is_capped() -> Non
     assert pool.idle_bytes == 0
 
 
-def test_trim_unmaps_idle_read_buffers_and_the_pool_keeps_pooling() -> None:
-    """``trim()`` (called when a backward pass ends) gives back the idle buffers at once; the
-    cap stays, so buffers in use when it ran are pooled again as they die, and reused."""
+def test_trim_keeps_idle_read_buffers_only_up_to_the_reads_to_come() -> None:
+    """``trim(keep_bytes)`` (called with the bytes backward has still to read) unmaps the idle
+    buffers beyond it at once, and buffers that die later beyond it; a later call with more to
+    read lets the pool keep buffers again, up to its cap, and reuse them. ``in_use_bytes`` and the
+    mapped peak count the buffers of live tensors too."""
     n = span_bytes(1 << 20)
     pool = HostBufferPool(max_idle_bytes=2 * n)
-    a, b = empty_like_head(1 << 20, 0, pool), empty_like_head(1 << 20, 0, pool)
-    kept = b.untyped_storage().data_ptr()
-    del a
+    a, b, c = (empty_like_head(1 << 20, 0, pool) for _ in range(3))
+    assert pool.in_use_bytes == pool.peak_mapped_bytes == 3 * n
+    del a, b
+    assert pool.idle_bytes == 2 * n and pool.in_use_bytes == n
+    pool.trim(n)  # one buffer's worth of reads to come
+    assert pool.idle_bytes == n and pool.keep_bytes == n
+    pool.trim()  # nothing left to read
+    assert pool.idle_bytes == 0
+    del c
+    assert pool.idle_bytes == 0 and pool.in_use_bytes == 0, "a buffer dying with nothing left to read is unmapped"
+    pool.trim(10 * n)  # the next backward: the cap bounds what is kept
+    assert pool.keep_bytes == 2 * n
+    d = empty_like_head(1 << 20, 0, pool)
+    kept = d.untyped_storage().data_ptr()
+    del d
     assert pool.idle_bytes == n
-    pool.trim()
-    assert pool.idle_bytes == 0 and pool.max_idle_bytes == 2 * n
-    del b
-    assert pool.idle_bytes == n, "a buffer in use during trim() is pooled when it dies"
-    c = empty_like_head(1 << 20, 0, pool)
-    assert c.untyped_storage().data_ptr() == kept and pool.reused == 1 and pool.idle_bytes == 0
+    e = empty_like_head(1 << 20, 0, pool)
+    assert e.untyped_storage().data_ptr() == kept and pool.reused == 1 and pool.idle_bytes == 0
+    assert pool.peak_mapped_bytes == 3 * n
+    pool.reset_peaks()
+    assert pool.peak_mapped_bytes == n
 
 
 def _vm_flags(start: int, end: int) -> list[tuple[int, int, set[str]]]:

@@ -12,9 +12,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_committed_page_is_what_the_results_give() -> None:
-    """docs/performance.md is exactly `gds-offload report`'s output for docs/results/."""
+    """docs/performance.md is exactly `gds-offload report`'s output for docs/results/. (Whether
+    each result still measures the code is `report --check`'s other half, which fails until the
+    results are rerun after a change to the code they measure: see the stale-result tests.)"""
     done = subprocess.run(
-        [sys.executable, "-m", "gds_offload.cli", "report", "--check"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gds_offload.cli", "report", "--check", "--ignore-stale"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
 
@@ -175,3 +177,95 @@ def test_the_gpu_section_says_plainly_that_no_gpu_figure_exists_until_one_does(t
     gpu = Section(tmp_path / "b.json", {"command": "x", "machine": {"gpus": ["NVIDIA H200"]}})
     text = "\n".join(gpu_section([cpu, gpu]))
     assert "NVIDIA H200" in text and "No GPU figure" not in text
+
+
+def test_every_path_a_result_exercises_exists() -> None:
+    """The paths a benchmark's results record as measured (``exercises``) are the repository's:
+    a path moved or renamed without updating the table would never mark a result stale."""
+    from gds_offload.bench.docs.stale import EXERCISES
+
+    missing = [(cmd, p) for cmd, paths in EXERCISES.items() for p in paths if not (REPO / p).exists()]
+    assert not missing, missing
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def test_report_check_fails_on_a_result_measured_before_the_last_change_to_its_code(tmp_path: Path, capsys) -> None:
+    """`report --check` fails on a result whose commit is older than the last commit that changed
+    a path it exercises (recorded in the result, or, in an older result, the paths of its
+    command); a change elsewhere, a result file rerun and committed, and a result whose commit
+    this clone lacks do not make one stale. ``--ignore-stale`` lists them and passes."""
+    from gds_offload.cli import main
+
+    repo = tmp_path
+    (repo / "gds_offload" / "activations").mkdir(parents=True)
+    (repo / "gds_offload" / "weights").mkdir(parents=True)
+    (repo / "gds_offload" / "activations" / "a.py").write_text("x = 1\n")
+    (repo / "gds_offload" / "weights" / "w.py").write_text("y = 1\n")
+    results = repo / "docs" / "results"
+    results.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "code")
+    measured = _git(repo, "rev-parse", "--short", "HEAD")
+
+    def result(name: str, commit: str, **extra: object) -> None:
+        (results / f"{name}.json").write_text(json.dumps({
+            "kind": "table", "title": name, "command": "gds-offload bench --steps 3", "commit": commit,
+            "table": {"columns": ["a"], "rows": [["1"]]}, **extra,
+        }))
+
+    result("recorded", measured, exercises=["gds_offload/activations"])
+    result("older", measured)  # no exercises: those of `gds-offload bench`
+    result("unknown", "0" * 40, exercises=["gds_offload/activations"])
+    args = ["report", "--results", str(results), "--out", str(repo / "docs" / "perf.md"), "--readme", ""]
+
+    def check(*more: str) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main([*args, "--check", *more])
+        return rc, capsys.readouterr().err
+
+    assert main(args) == 0
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "results and page")
+    rc, err = check()
+    assert rc == 0, err
+    assert f"unknown.json: not checked: commit {'0' * 40} is not in this clone" in err
+
+    (repo / "gds_offload" / "weights" / "w.py").write_text("y = 2\n")
+    _git(repo, "commit", "-qam", "weights only")
+    assert check()[0] == 0, "a change to code no result exercises"
+
+    (repo / "gds_offload" / "activations" / "a.py").write_text("x = 2\n")
+    _git(repo, "commit", "-qam", "the offloader changes")
+    changed = _git(repo, "rev-parse", "--short", "HEAD")
+    rc, err = check()
+    assert rc == 1
+    assert f"recorded.json: stale: measured at {measured}, and {changed} changed gds_offload/activations since" in err
+    assert f"older.json: stale: measured at {measured}, and {changed} changed gds_offload/activations, gds_offload/io" in err
+    assert "unknown.json: stale" not in err
+    rc, err = check("--ignore-stale")
+    assert rc == 0 and "recorded.json: stale" in err
+
+    rerun = _git(repo, "rev-parse", "--short", "HEAD")
+    result("recorded", rerun, exercises=["gds_offload/activations"])
+    result("older", rerun)
+    assert main(args) == 0
+    _git(repo, "commit", "-qam", "results rerun")
+    assert check()[0] == 0, "results measured at the last change, committed after it"
+
+
+def test_result_files_record_the_paths_they_exercise(tmp_path: Path) -> None:
+    """A `gds-offload bench` result names the paths its figures depend on, and those are the
+    paths `report --check` compares with the commits since (the activation half, its I/O, the bench)."""
+    from gds_offload.bench.docs.stale import exercised_paths
+    from gds_offload.bench.train.spec import RunSpec
+    from gds_offload.bench.train.suite import results_doc
+
+    doc = results_doc("bench", 0.0, (0.0, 0.0, 0.0), out="", title="", about="", command="gds-offload bench", spec=RunSpec("keep"),
+                      path=None, modes=[], summary={}, results=[])
+    assert doc["exercises"] == exercised_paths("bench")
+    assert {"gds_offload/activations", "gds_offload/io", "gds_offload/bench/train"} <= set(doc["exercises"])

@@ -99,8 +99,11 @@ def attach(
 
     With the defaults (``W = max(64 MiB, 2L)``, ``P = L``) that is ``K + W + 2L``. Outside
     these bytes, the ``posix`` and ``compat`` engines keep host read buffers freed by
-    autograd for the next reads while a backward runs, and give them back when it ends
-    (:meth:`~gds_offload.io.base.Engine.trim`), so none is held through the next forward.
+    autograd for the reads still to come in that backward, never more than those reads'
+    bytes (:meth:`~gds_offload.io.base.Engine.trim`): none is idle once backward has nothing
+    left to read, where the gradients peak, nor through the next forward. ``stats()`` counts
+    them (``peak_read_buffer_bytes``, ``idle_buffer_bytes``) and says what it leaves out
+    (:class:`~gds_offload.activations.stats.OffloadStats`).
 
     Returns:
         The :class:`Offloader`; also a context manager that detaches on exit.

@@ -298,10 +298,15 @@ class Offloader:
             live,
             write_s=e.write_busy_s,
             read_s=e.read_busy_s,
+            read_buffer_bytes=e.read_buffer_bytes,
+            peak_read_buffer_bytes=e.peak_read_buffer_bytes,
+            idle_buffer_bytes=e.idle_buffer_bytes,
+            staging_bytes=e.staging_bytes,
             spill_file_bytes=self.store.file_bytes(),
             layers=layers,
         )
         if reset:
+            self.engine.reset_peaks()
             fresh = OffloadStats(engine=live.engine, engine_reason=live.engine_reason, gds=live.gds)
             fresh.resident_bytes = fresh.peak_resident_bytes = live.resident_bytes
             fresh.write_window_bytes = live.write_window_bytes

@@ -24,6 +24,21 @@ class OffloadStats:
     """What the offloader did since :func:`attach` (or the last ``stats(reset=True)``).
 
     Byte counters count each storage once per step unless named otherwise.
+
+    What the offloader makes the process hold in memory: the saved activations it keeps, those
+    writes in flight hold and those read back (``*_resident_bytes`` and the three peaks under
+    them, in tensor bytes), and the engine's buffers: read buffers (``*_read_buffer_bytes``,
+    whole pages; a read-back tensor counts there until autograd frees it, past the unpack that
+    ends its count in ``loaded``, and idle buffers kept for the next reads) and staging or bounce
+    buffers (``staging_bytes``). Each peak is at its own moment: their sum bounds the
+    offloader's share of the process's peak, it is not that peak.
+
+    Left out, and held by the process all the same: parameter gradients and backward's
+    temporaries, which every mode has with or without offloading, and which peak where
+    backward ends (with offloading, that is where a step's memory peaks, and they are most of
+    a bench's peak activation memory beyond these counters); memory the allocators keep
+    after it is freed (glibc's heap, torch's caching allocators); and the spill files, which
+    are on the drive (``spill_file_bytes``).
     """
 
     engine: str
@@ -56,6 +71,14 @@ class OffloadStats:
     peak_kept_bytes: int = 0
     peak_writing_bytes: int = 0
     peak_loaded_bytes: int = 0
+    #: Host memory of the engine's read buffers (``posix``, ``compat``): now, and the most at
+    #: once; of it, the idle buffers now (kept for reads still to come; none once backward
+    #: has nothing left to read). Whole pages: a tensor's buffer holds up to a page more.
+    read_buffer_bytes: int = 0
+    peak_read_buffer_bytes: int = 0
+    idle_buffer_bytes: int = 0
+    #: Host memory of the engine's staging (pinned) and bounce buffers, held until ``detach()``.
+    staging_bytes: int = 0
     #: The bound on bytes held by writes in flight (``attach(write_window=...)``, or derived).
     write_window_bytes: int = 0
     #: Engine wall time with a write (read) in flight.

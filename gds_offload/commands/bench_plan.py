@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.commands.run_args import memory_limit_arg, modes_arg, positive_int, workdir_arg
 from gds_offload.errors import ConfigError
@@ -177,7 +178,7 @@ def document(doc: dict[str, Any], *, title: str | None, command: str, commit: st
              f"resident uncapped at the best of the batches probed ({', '.join(map(str, doc.get('resident_probes') or {})) or 'none'}). Slow modes ran a subset of the prompts (the 'prompts' column): every batch of "
              f"such a mode has the same shape, so its rate is the workload's. The plan: {doc['plan']['describe']}.")  # fmt: skip
     return {"kind": "table", "title": title or "Balance Beam's planner: layer-major generation under a memory cap (cpu)", "about": about,
-            "command": command, "commit": commit, "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "command": command, "commit": commit, "exercises": exercised_paths("bench-plan"), "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "wall_s": time.time() - started, "table": _table(doc), "targets": targets, **doc}  # fmt: skip
 
 

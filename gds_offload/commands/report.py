@@ -5,6 +5,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gds_offload.bench.docs.stale import freshness
+
+if TYPE_CHECKING:
+    from gds_offload.bench.docs.report import Section
 
 HELP = "regenerate the performance page (docs/performance.md) from the result files in docs/results/"
 
@@ -13,7 +19,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default="docs/results", help="directory of result files (default: docs/results)")
     p.add_argument("--out", default="docs/performance.md", help="the page to write (default: docs/performance.md)")
     p.add_argument("--readme", default="README.md", help="the README whose headline results to rewrite between their markers (default: README.md; '' for none)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page or the README's headline is not what the result files give")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if the page or the README's headline is not what the result files give, "
+                        "or if a result is stale: measured at a commit older than the last change to the code it measures")
+    p.add_argument("--ignore-stale", action="store_true",
+                   help="with --check: list stale results but do not fail on them (the page's own check alone)")
+
+
+def _report_stale(sections: list[Section], results: Path) -> bool:
+    """Print (on stderr) each result measured before the last change to the code it measures,
+    and those that could not be checked; True when one is stale."""
+    checked = freshness(sections, results)
+    stale = [f for f in checked if f.stale]
+    for f in stale + [f for f in checked if f.unchecked]:
+        print(f"gds-offload report: {f.line()}", file=sys.stderr)
+    return bool(stale)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"gds-offload report: --readme {readme}: {exc}", file=sys.stderr)
             return 2
+    stale_results = _report_stale(sections, results)
     if args.check:
-        stale = [str(p) for p, text in outputs.items() if (p.read_text() if p.exists() else "") != text]
-        if stale:
-            print(f"gds-offload report: {', '.join(stale)} out of date; run gds-offload report", file=sys.stderr)
-            return 1
-        return 0
+        outdated = [str(p) for p, text in outputs.items() if (p.read_text() if p.exists() else "") != text]
+        if outdated:
+            print(f"gds-offload report: {', '.join(outdated)} out of date; run gds-offload report", file=sys.stderr)
+        return 1 if outdated or (stale_results and not args.ignore_stale) else 0
     for p, text in outputs.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)

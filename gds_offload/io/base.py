@@ -55,9 +55,18 @@ class EngineStats:
     write_busy_s: float = 0.0
     read_busy_s: float = 0.0
     retries: int = 0
-    #: Host memory the engine holds in idle buffers kept for reuse (now, not a total): read
-    #: buffers between their tensor's death and the next read (see :meth:`Engine.trim`).
+    #: Host memory the engine's read buffers hold now: those of read-back tensors still alive
+    #: (from the read until the last view of the bytes dies) and the idle ones kept for reuse.
+    read_buffer_bytes: int = 0
+    #: The most ``read_buffer_bytes`` held at once since the engine was made or :meth:`Engine.reset_peaks`.
+    peak_read_buffer_bytes: int = 0
+    #: Of ``read_buffer_bytes``, the idle buffers (now): between their tensor's death and the
+    #: next read (see :meth:`Engine.trim`).
     idle_buffer_bytes: int = 0
+    #: Host memory of the engine's staging buffers (pinned, for device memory) and bounce
+    #: buffers (pageable, for host tensors not moved in place), held from each thread's first
+    #: use of them until the engine closes.
+    staging_bytes: int = 0
     #: Bytes copied through the engine's own pageable bounce buffers (posix, a host tensor that
     #: could not be moved as page spans in place); 0 where every transfer went zero-copy.
     bounced_bytes: int = 0
@@ -193,13 +202,19 @@ class Engine(ABC):
     def release(self, slot: Slot) -> None:
         """The slot's bytes are no longer needed (engines that hold memory per slot free it)."""
 
-    def trim(self) -> None:
-        """Give back the memory kept for reuse that holds no bytes now (idle read buffers).
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Keep at most ``keep_bytes`` of memory for reuse that holds no bytes (idle read
+        buffers): give back the rest now, and buffers that die later beyond it, until the next call.
 
-        The offloader calls it when a backward pass ends: no read comes before the next
-        backward, and buffers kept idle through the next forward would add to the memory
-        that forward's kept and written activations hold. Engines that keep nothing: no-op.
+        The offloader calls it with the bytes backward has still to read, each time that
+        falls (a read issued) and when a backward pass ends: an idle buffer beyond the reads to
+        come would never be used again, and would sit in memory at backward's end, where the
+        gradients peak, or through the next forward, on top of its kept and written
+        activations. Engines that keep nothing: no-op.
         """
+
+    def reset_peaks(self) -> None:
+        """Count :attr:`EngineStats.peak_read_buffer_bytes` from now (``stats(reset=True)``). Engines without read buffers: no-op."""
 
     def close(self) -> None:
         """Wait for in-flight transfers and stop the engine's threads. Idempotent."""

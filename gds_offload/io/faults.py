@@ -182,8 +182,11 @@ class FaultyEngine(Engine):
     def empty(self, nbytes: int, slot: Slot, device: torch.device) -> torch.Tensor:
         return self.inner.empty(nbytes, slot, device)
 
-    def trim(self) -> None:
-        self.inner.trim()
+    def trim(self, keep_bytes: int = 0) -> None:
+        self.inner.trim(keep_bytes)
+
+    def reset_peaks(self) -> None:
+        self.inner.reset_peaks()
 
     def close(self) -> None:
         super().close()

@@ -254,6 +254,9 @@ class KvikIOEngine(PageSpanEngine):
         if device.type == "cuda":
             warm_each_thread(self._pool, self.issue_threads, lambda: (self._staging.get(device), self._streams.get(device)))
 
+    def _staging_bytes(self) -> int:
+        return self._staging.pinned_bytes
+
     def close(self) -> None:
         super().close()
         self._pool.shutdown(wait=True)

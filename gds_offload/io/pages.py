@@ -139,16 +139,23 @@ class HostBufferPool:
 
     Each buffer is a mapping of its own (:func:`map_anonymous`). It comes back to the pool
     when the last tensor that views it is freed (whatever thread frees it), and is kept for the next
-    request of the same length while the idle total stays under ``max_idle_bytes``;
-    beyond that it is unmapped. Idle buffers are host memory that is resident but holds
-    no activation: ``idle_bytes`` says how much. Thread-safe.
+    request of the same length while the idle total stays under ``max_idle_bytes`` and under
+    the limit the last :meth:`trim` set; beyond that it is unmapped. Idle buffers are host
+    memory that is resident but holds no activation: ``idle_bytes`` says how much, and
+    ``in_use_bytes`` how much the buffers of live tensors hold. Thread-safe.
     """
 
     def __init__(self, max_idle_bytes: int) -> None:
         self.max_idle_bytes = max_idle_bytes
+        #: The idle bytes wanted now (:meth:`trim`), at most ``max_idle_bytes``.
+        self.keep_bytes = max_idle_bytes
         self._free: dict[int, list[mmap.mmap]] = defaultdict(list)
         self._lock = threading.Lock()
         self.idle_bytes = 0
+        #: Bytes of the buffers handed out whose tensors are still alive, and the peak of
+        #: everything mapped (in use + idle) since :meth:`reset_peaks`.
+        self.in_use_bytes = 0
+        self.peak_mapped_bytes = 0
         #: Buffers mapped (a miss) and handed out again (a hit), for tests and tuning.
         self.mapped = 0
         self.reused = 0
@@ -163,6 +170,8 @@ class HostBufferPool:
                 self.reused += 1
             else:
                 self.mapped += 1
+            self.in_use_bytes += length
+            self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.in_use_bytes + self.idle_bytes)
         if mm is None:
             mm = map_anonymous(length)
         arr = np.frombuffer(mm, dtype=np.uint8, count=length)
@@ -170,11 +179,18 @@ class HostBufferPool:
         weakref.finalize(arr, self._give_back, mm, length).atexit = False
         return torch.from_numpy(arr)
 
-    def trim(self) -> None:
-        """Unmap the idle buffers now. Buffers in use still come back (up to the cap) as they die."""
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Keep at most ``keep_bytes`` (and ``max_idle_bytes``) idle from now on: unmap the idle
+        buffers beyond it now, and buffers that die later once the idle ones reach it. The
+        limit holds until the next call."""
         with self._lock:
-            self._free.clear()
-            self.idle_bytes = 0
+            self.keep_bytes = min(max(keep_bytes, 0), self.max_idle_bytes)
+            for length in sorted(self._free, reverse=True):
+                free = self._free[length]
+                while free and self.idle_bytes > self.keep_bytes:
+                    free.pop()
+                    self.idle_bytes -= length
+            self._free = defaultdict(list, {n: f for n, f in self._free.items() if f})
 
     def clear(self) -> None:
         """Unmap the idle buffers, and from now on every buffer as it dies (the engine closes)."""
@@ -182,9 +198,15 @@ class HostBufferPool:
             self.max_idle_bytes = 0
         self.trim()
 
+    def reset_peaks(self) -> None:
+        """Count the peak of the mapped bytes from now."""
+        with self._lock:
+            self.peak_mapped_bytes = self.in_use_bytes + self.idle_bytes
+
     def _give_back(self, mm: mmap.mmap, length: int) -> None:
         with self._lock:
-            if self.idle_bytes + length <= self.max_idle_bytes:
+            self.in_use_bytes -= length
+            if self.idle_bytes + length <= self.keep_bytes:
                 self._free[length].append(mm)
                 self.idle_bytes += length
         # Otherwise dropped: arr, being freed, still exports mm's buffer (so no mm.close());
@@ -236,13 +258,24 @@ class PageSpanEngine(Engine):
         super().close()
         self._buffers.clear()
 
-    def trim(self) -> None:
-        self._buffers.trim()
+    def trim(self, keep_bytes: int = 0) -> None:
+        self._buffers.trim(keep_bytes)
+
+    def reset_peaks(self) -> None:
+        self._buffers.reset_peaks()
 
     def stats(self) -> EngineStats:
         out = super().stats()
-        out.idle_buffer_bytes = self._buffers.idle_bytes
+        pool = self._buffers
+        out.read_buffer_bytes = pool.in_use_bytes + pool.idle_bytes
+        out.peak_read_buffer_bytes = pool.peak_mapped_bytes
+        out.idle_buffer_bytes = pool.idle_bytes
+        out.staging_bytes = self._staging_bytes()
         return out
+
+    def _staging_bytes(self) -> int:
+        """Host memory of the subclass's staging and bounce buffers (:attr:`EngineStats.staging_bytes`)."""
+        return 0
 
     def slot_bytes(self, nbytes: int, device: torch.device) -> int:
         return span_bytes(nbytes) if device.type == "cpu" else nbytes

@@ -77,6 +77,7 @@ class PosixEngine(PageSpanEngine):
         # Device memory: one pinned staging buffer of one chunk per pool thread and device (a
         # pool task moves one chunk; the pool's threads keep several in flight).
         self._staging = StagingPool(chunk_bytes, cuda, count=1)
+        self._bounce_bytes = 0  # the threads' bounce buffers (_bounce), made on first use
         self.description = f"posix pwrite/pread, {num_threads} threads, {chunk_bytes >> 20} MiB chunks"
 
     def close(self) -> None:
@@ -163,12 +164,19 @@ class PosixEngine(PageSpanEngine):
         if device.type == "cuda":
             warm_each_thread(self._pool, self.num_threads, lambda: self._staging.get(device))
 
+    def _staging_bytes(self) -> int:
+        with self._lock:
+            bounce = self._bounce_bytes
+        return bounce + self._staging.pinned_bytes
+
     def _bounce(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
         # One aligned buffer per worker thread, reused for every chunk (map_anonymous is page-aligned).
         self._count_bounced(nbytes)
         local = self._local
         if not hasattr(local, "mm"):
             local.mm = map_anonymous(self.chunk_bytes)
+            with self._lock:
+                self._bounce_bytes += self.chunk_bytes
             local.view = memoryview(local.mm)
             local.tensor = torch.frombuffer(local.mm, dtype=torch.uint8)
         return local.tensor, local.view

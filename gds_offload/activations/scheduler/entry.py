@@ -143,7 +143,11 @@ class Entry:
     def budget(self) -> str | None:
         """The budget this entry's bytes count against now, or None when none are held.
 
+        ``"unread"``: the bytes are only on the drive and backward has yet to read them (no
+        memory; counted so that the engine keeps no more idle read buffers than reads to come).
         A RELEASED entry holds bytes only while its write is still reading them."""
+        if self.state is State.ON_DRIVE:
+            return "unread"
         if self.data is None:
             return None
         return "writing" if self.state is State.RELEASED else _BUDGET.get(self.state)

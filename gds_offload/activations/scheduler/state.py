@@ -41,6 +41,9 @@ __all__ = ["SchedulerState", "SchedulerConfig", "MIN_WRITE_WINDOW_BYTES", "cuda_
 
 #: The derived write window is twice the largest layer's offloaded bytes, and at least this.
 MIN_WRITE_WINDOW_BYTES = 64 << 20
+#: What ``_held`` counts (:attr:`Entry.budget`): bytes in memory kept, held by writes in flight,
+#: read back; and bytes only on the drive that backward has yet to read (no memory).
+_BUDGETS = ("kept", "writing", "loaded", "unread")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class SchedulerState:
         self._written = threading.Condition(self._lock)
         self.forwards = Forwards(self._lock, self._observe)
         self._largest_unit_bytes = 0
-        self._held = {"kept": 0, "writing": 0, "loaded": 0}
+        self._held = dict.fromkeys(_BUDGETS, 0)
         self._writing: set[Entry] = set()
         #: Reads in flight (their futures' tokens), prefetched ones and released ones included.
         self._reads: dict[Any, IOFuture] = {}
@@ -106,7 +109,7 @@ class SchedulerState:
         self._writing.clear()
         self._reads.clear()
         self._slotted.clear()
-        self._held = {"kept": 0, "writing": 0, "loaded": 0}
+        self._held = dict.fromkeys(_BUDGETS, 0)
         self._engine_mark = engine.stats()
 
     # ------------------------------------------------------------------ accounting
@@ -118,13 +121,18 @@ class SchedulerState:
         if entry.generation != self._generation:
             entry.counted = new  # counted in the parent's totals, not this child's
             return
-        if entry.counted is not None:
-            self._held[entry.counted] -= entry.nbytes
+        left = entry.counted
+        if left is not None:
+            self._held[left] -= entry.nbytes
         if new is not None:
             self._held[new] += entry.nbytes
         entry.counted = new
+        if left == "unread":
+            # Read (or freed unread): idle read buffers beyond the bytes still to read would
+            # never be used again; the engine gives them back now and as they die.
+            self.engine.trim(self._held["unread"])
         s = self._stats
-        s.resident_bytes = sum(self._held.values())
+        s.resident_bytes = self._held["kept"] + self._held["writing"] + self._held["loaded"]
         s.peak_resident_bytes = max(s.peak_resident_bytes, s.resident_bytes)
         s.peak_kept_bytes = max(s.peak_kept_bytes, self._held["kept"])
         s.peak_writing_bytes = max(s.peak_writing_bytes, self._held["writing"])
@@ -160,7 +168,9 @@ class SchedulerState:
     # ------------------------------------------------------------------ profiles
     def _observe(self, fwd: ForwardRecord) -> None:
         """A forward's backward pass ended: its profile goes to the layer stats and the policy,
-        and the engine gives back its idle read buffers (:meth:`~gds_offload.io.base.Engine.trim`).
+        and the engine gives back the idle read buffers that no read to come needs
+        (:meth:`~gds_offload.io.base.Engine.trim`; all of them unless another forward's
+        backward is still to run).
 
         Kept until the next backward, those buffers would sit in memory through the next
         forward, on top of the kept and written activations that peak there.
@@ -178,7 +188,8 @@ class SchedulerState:
                 s = self._layer_stat(u.name)
                 s.forward_s += p.forward_s
                 s.backward_s += p.backward_s
-        self.engine.trim()
+            unread = self._held["unread"]
+        self.engine.trim(unread)
         self.policy.observe(profile)
 
     # ------------------------------------------------------------------ readout

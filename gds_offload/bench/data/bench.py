@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gds_offload.bench.docs.report import current_commit
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.train.runner import run_mode
 from gds_offload.bench.train.spec import RunSpec
@@ -203,6 +204,7 @@ def _document(shards: ShardSet, rows: list[Measurement], spec: Any, demo: Any, d
         "about": about,
         "command": command,
         "commit": commit,
+        "exercises": exercised_paths("shards"),
         "machine": machine,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,

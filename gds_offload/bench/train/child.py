@@ -338,7 +338,7 @@ def run_here(
         if off is not None and warm is not None:
             off.synchronize()
             result.offload = off.stats().as_dict()
-            for key in ("peak_resident_bytes", "peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes"):
+            for key in ("peak_resident_bytes", "peak_kept_bytes", "peak_writing_bytes", "peak_loaded_bytes", "peak_read_buffer_bytes"):
                 result.offload[key] = max(result.offload[key], getattr(warm, key))
     finally:
         if off is not None:

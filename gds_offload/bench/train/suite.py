@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gds_offload.bench.docs.report import current_commit
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.train.child import LOSSES_DIFFER_NOTE, exact_in_process, in_process_verdict
 from gds_offload.bench.train.runner import run_mode
@@ -235,6 +236,7 @@ def results_doc(
         "about": about or None,
         "command": command or shlex.join(sys.argv),
         "commit": current_commit(),
+        "exercises": exercised_paths("bench"),
         **fields,
         "argv": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

@@ -30,6 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.units import format_bytes
 
@@ -180,6 +181,7 @@ def document(report: dict[str, Any], *, title: str, about: str, command: str, co
         "about": about,
         "command": command,
         "commit": commit,
+        "exercises": exercised_paths("bench-weights"),
         "machine": machine,
         "started": started,
         "wall_s": wall_s,

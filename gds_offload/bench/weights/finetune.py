@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_rows, prepare, run_rounds, summarize, weight_files
 from gds_offload.bench.weights.drive import evict
@@ -151,6 +152,7 @@ def finetune_document(report: dict[str, Any], *, started: float, workdir: Path, 
         "about": about,
         "command": command or "gds-offload bench-finetune",
         "commit": commit,
+        "exercises": exercised_paths("bench-finetune"),
         "machine": describe_machine(workdir).as_dict(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.weights.bench import BenchModel, ChildResult, ChildSpec, child_rows, prepare, run_rounds, summarize, weight_files
 from gds_offload.bench.weights.drive import evict
@@ -179,6 +180,7 @@ def full_document(report: dict[str, Any], *, started: float, workdir: Path, comm
         "about": about,
         "command": command or "gds-offload bench-finetune --full",
         "commit": commit,
+        "exercises": exercised_paths("bench-finetune"),
         "machine": describe_machine(workdir).as_dict(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_s": time.time() - started,

@@ -27,6 +27,7 @@ from typing import Any
 
 from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.weights.bench import DEFAULT_MODEL, TINY, BenchModel, child_env, prepare, weight_files
 from gds_offload.bench.weights.drive import evict
 from gds_offload.units import format_bytes
@@ -145,7 +146,7 @@ def finetune_document(doc: dict[str, Any], *, title: str | None, command: str, c
              f"memory cap (cgroup v1, page cache included, the weights' cache dropped before each child); resident uncapped, on the same "
              f"micro-batches. The plan: {doc['plan']['describe']}.")  # fmt: skip
     return {"kind": "table", "title": title or "Balance Beam's planner: layer-major LoRA fine-tuning under a memory cap (cpu)", "about": about,
-            "command": command, "commit": commit, "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "command": command, "commit": commit, "exercises": exercised_paths("bench-plan"), "machine": machine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "wall_s": time.time() - started, "table": _table(doc), "targets": targets, **doc}  # fmt: skip
 
 
