@@ -22,6 +22,7 @@ from gds_offload.units import format_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 __all__ = ["Phase", "ProgressArg", "Reporter", "reporter"]
 
@@ -71,17 +72,17 @@ class _Lines(Reporter):
 
 
 class _BarPhase(Phase):
-    def __init__(self, bar: object, task: int, title: str) -> None:
+    def __init__(self, bar: Progress, task: TaskID, title: str) -> None:
         self._bar, self._task, self._title = bar, task, title
         self.total = 0  # bytes, once a phase reports them
 
     def step(self, what: str) -> None:
-        self._bar.update(self._task, description=f"{self._title}: {what}", refresh=True)  # type: ignore[attr-defined]
+        self._bar.update(self._task, description=f"{self._title}: {what}", refresh=True)
 
     def bytes(self, group: str, done: int, total: int) -> None:
         self.total = total
         detail = f"{format_bytes(done)} of {format_bytes(total)} ({group})"
-        self._bar.update(self._task, completed=done, total=max(total, 1), detail=detail, refresh=True)  # type: ignore[attr-defined]
+        self._bar.update(self._task, completed=done, total=max(total, 1), detail=detail, refresh=True)
 
 
 class _Bars(Reporter):
@@ -123,7 +124,6 @@ def reporter(progress: ProgressArg, *, name: str, console: Console | None = None
             return _Bars(err)
         return _Lines(lambda line: print(f"{name}: {line}", file=err.file, flush=True), steps=False)  # err.file: sys.stderr as it is now
     if callable(progress):
-        report = progress
-        return _Lines(lambda line: report(line), steps=True)
+        return _Lines(progress, steps=True)
     raise ConfigError(f"progress={progress!r} ({type(progress).__name__}) must be True (a bar on a terminal, else a line per "
                       f"phase on stderr), False (nothing), a logging.Logger, or a callable taking a line of text")
