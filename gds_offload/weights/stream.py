@@ -192,7 +192,8 @@ class StreamedModel(LayerHooks):
         if dev.type == "cuda" and manifest.tensor_align < TENSOR_ALIGN:
             warnings.warn(f"{first}: tensors start at multiples of {manifest.tensor_align} bytes (a store written before {TENSOR_ALIGN}); "
                           f"cuBLAS may pick other kernels for them than for the resident model's, so outputs may differ in the last "
-                          f"bits. Convert it again (gds-offload convert --force) for {TENSOR_ALIGN}-byte offsets", stacklevel=3)  # fmt: skip
+                          f"bits. Convert it again for {TENSOR_ALIGN}-byte offsets: "
+                          f"{reconvert_command(store if isinstance(store, (list, tuple)) else [first], manifest.source.get('checkpoint'))}", stacklevel=3)  # fmt: skip
         self._dirs = resolve_dirs(store, manifest)
         gens, step = _training_step(manifest, self._dirs, o)
         reading = _as_of(manifest, step)  # the groups with the checksums of the step read
