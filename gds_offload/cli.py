@@ -21,6 +21,13 @@ from gds_offload.bench.procs import Terminated, stop_signals
 
 __all__ = ["main"]
 
+#: What ``gds-offload --help`` says the package does: both halves.
+DESCRIPTION = (
+    "Offloading for PyTorch models larger than GPU memory: activations saved for backward go to NVMe "
+    "(GPUDirect Storage through KvikIO, or O_DIRECT) and come back before backward; weights stream layer "
+    "by layer from an NVMe store for inference and fine-tuning. Start with `gds-offload demo`."
+)
+
 COMMANDS: dict[str, str] = {
     "info": "gds_offload.commands.info",
     "bench-io": "gds_offload.commands.bench_io",
@@ -39,7 +46,7 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gds-offload", description="Activation offloading to NVMe through GPUDirect Storage.")
+    parser = argparse.ArgumentParser(prog="gds-offload", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"gds_offload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
@@ -57,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     #: The command line as given, recorded in result files so a figure names its command.
     args.command_line = "gds-offload " + shlex.join(argv)
     if not getattr(args, "_run", None):
-        parser.print_help()
+        print("gds-offload: no command given; try `gds-offload demo` (the main job), or `gds-offload --help` for every command",
+              file=sys.stderr)
         return 2
 
     try:

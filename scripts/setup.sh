@@ -5,8 +5,9 @@
 # KvikIO needs libcuda.so.1 even for host-memory I/O. On a machine without the
 # NVIDIA driver, Debian's libcuda1 (section non-free) provides it; we install it
 # when it is missing and apt is usable, so the KvikIO engine tests run instead of
-# skipping. Override the torch requirement with TORCH_SPEC (default: the CPU
-# build that lies on these machines' disk; on a GPU node pass e.g. TORCH_SPEC=torch).
+# skipping. Override the torch requirement with TORCH_SPEC (default torch==2.13.0:
+# whichever build pip's index offers; from PyPI on x86-64 Linux the CUDA build, on this
+# project's machines the CPU build in their local wheel directory; see docs/setup.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

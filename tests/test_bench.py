@@ -217,7 +217,10 @@ def assert_exact(summary: dict) -> None:
 
 
 def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
-    out, png = tmp_path / "r" / "bench.json", tmp_path / "r" / "bench.png"
+    missing = tmp_path / "r" / "bench.json"
+    assert main(["bench", *TINY_ARGS, "--modes", "keep", "--out", str(missing)]) == 2, "a given --out's folder must exist"
+    assert f"--out {missing}: its parent {tmp_path / 'r'} does not exist" in capsys.readouterr().err and not missing.parent.exists()
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", *TINY_ARGS, "--modes", "keep,offload:host", "--path", str(tmp_path),
                "--out", str(out), "--plot", str(png)])
     assert rc == 0
@@ -230,6 +233,7 @@ def test_bench_command_writes_json_and_plot(tmp_path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "offload:host" in text and "yes" in text
+    assert f"results: {out}, plot: {png}" in text, "where it wrote, as absolute paths"
 
 
 def test_rounds_interleave_and_ratios_are_taken_within_a_round() -> None:
@@ -297,12 +301,12 @@ def test_bench_command_rejects_unknown_mode(capsys) -> None:
 
 
 def test_demo_command(tmp_path, capsys) -> None:
-    rc = main(["demo", *TINY_ARGS, "--mode", "host", "--path", str(tmp_path)])
+    rc = main(["demo", *TINY_ARGS, "--mode", "host", "--path", str(tmp_path), "--out", ""])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "loss curves agree" in text and "I/O hidden behind compute" in text
     assert "NO" not in text or "bit-identical in one process (2 steps" in text, text  # see assert_exact
-    assert "offloaded / paused, same process (1 pair)" in text
+    assert "offloaded / paused, 1 pair" in text
 
 
 def test_exact_in_process_compares_every_loss_and_gradient(tmp_path, monkeypatch) -> None:

@@ -338,16 +338,27 @@ def test_cuda_visible_devices_hint(tmp_path):
 def test_missing_dir_is_reported_not_created(tmp_path):
     """A check changes nothing: a missing directory is "missing, would be created 0700", and its
     nearest existing ancestor is what gets probed (gds-check must not create it, then say "exists")."""
-    spill = tmp_path / "a" / "b"
+    spill = tmp_path / "b"
     root = make_node(tmp_path / "root", tmp_path / "other")
     report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
     probe = report.paths[0]
     assert not probe.exists and probe.would_create and probe.probed == str(tmp_path)
-    assert not (tmp_path / "a").exists() and sorted(os.listdir(tmp_path)) == ["other", "root"]
+    assert not spill.exists() and sorted(os.listdir(tmp_path)) == ["other", "root"]
     v = decide(report, 0)
     assert v.mode != "unusable", v.reason
     path_line = by_name(v, "path")[0]
     assert path_line.status == "ok" and "missing, would be created 0700" in path_line.detail, path_line
+
+
+def test_a_path_whose_parent_is_missing_is_named_as_attach_would_refuse_it(tmp_path):
+    """--path /mnt/nvme9/spill (a mistyped drive): gds-check says what attach() would say, and creates nothing."""
+    spill = tmp_path / "nvme9" / "spill"
+    root = make_node(tmp_path / "root", tmp_path / "other")
+    report = collect_node([spill], root=root, env={}, probe_driver=False, probes=fake_probes())
+    probe = report.paths[0]
+    assert not probe.would_create and f"its parent {tmp_path / 'nvme9'} does not exist" in probe.problem, probe
+    assert f"the nearest existing parent is {tmp_path}" in probe.problem and not (tmp_path / "nvme9").exists()
+    assert probe.problem.removeprefix(f"--path {spill}") == _attach_message(spill).removeprefix(f"path={str(spill)!r}")
 
 
 def _attach_message(path):

@@ -8,6 +8,7 @@ starts.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from helpers.procs import alive, children, cmdline
 
+from gds_offload.bench.train.demo_view import PAIRED_NOTE
 from gds_offload.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,19 +187,20 @@ def test_ctrl_c_in_gds_check_is_one_line_and_exit_130(monkeypatch, capsys) -> No
 def test_demo_takes_any_step_count_and_pairs_what_it_can(steps: int, tmp_path, capsys) -> None:
     """An odd count runs (``--steps 3`` is not refused): its last measured step is offloaded and
     unpaired."""
-    rc = main(["demo", *TINY_ARGS, "--steps", str(steps), "--mode", "posix", "--path", str(tmp_path)])
+    rc = main(["demo", *TINY_ARGS, "--steps", str(steps), "--mode", "posix", "--path", str(tmp_path), "--out", ""])
     text = capsys.readouterr().out
     assert rc == 0, text
     pairs = steps // 2
-    assert (f"same process ({pairs} pair)" in text) == (pairs == 1), text
+    assert ("offloaded / paused, 1 pair" in text) == (pairs == 1), text
     assert "even number" not in text
 
 
 def test_demo_off_a_terminal_prints_a_plain_line_per_step(tmp_path, capsys) -> None:
     """Off a terminal (pytest captures stdout) the demo prints its title once, then one plain line
     per run, setup and step, and no half-drawn table: every table border ends its line."""
-    assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path)]) == 0
+    assert main(["demo", *TINY_ARGS, "--steps", "2", "--mode", "host", "--path", str(tmp_path), "--out", ""]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines.count(PAIRED_NOTE) == 1, "the paused steps are explained once, before the first one"
     for line in lines:
         stripped = line.rstrip()
         assert "┘" not in stripped or stripped.endswith("┘"), line
@@ -206,6 +209,62 @@ def test_demo_off_a_terminal_prints_a_plain_line_per_step(tmp_path, capsys) -> N
         steps = [line for line in lines if line.startswith(f"{run}: step ")]
         assert [s.split()[4] for s in steps] == ["1", "2", "3"], lines  # 1 warm-up + 2 measured steps, each a line
         assert any(line.startswith(f"{run}: starting") for line in lines)
+
+
+def test_the_small_demo_says_why_nothing_moved_and_where_it_wrote(tmp_path, capsys) -> None:
+    """The issue's small demo: every saved tensor falls under min_bytes, and the summary says so
+    and what to change; the results and their plot are written where the last line says."""
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--layers", "2", "--hidden", "128", "--seq", "64", "--batch", "2", "--mode", "posix", "--path", str(tmp_path),
+               "--out", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "Nothing was offloaded" in text and "every saved tensor was smaller than min_bytes (1 MiB)" in text, text
+    assert "Pass --min-bytes 0" in text and "offloaded / paused: the offload run alternates steps" in text
+    assert json.loads(out.read_text())["kind"] == "demo"
+    png = out.with_suffix(".png")
+    assert text.splitlines()[-1] == f"results: {out}, plot: {png}" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_default_demo_is_the_short_run_and_full_the_long_one() -> None:
+    from gds_offload.cli import build_parser
+    from gds_offload.commands.demo import run_lengths
+    from gds_offload.commands.run_args import base_spec
+
+    for argv, want in ((["demo"], (256, 4, 1, 4)), (["demo", "--full"], (512, 4, 2, 8)), (["demo", "--full", "--steps", "3"], (512, 4, 2, 3))):
+        args = build_parser().parse_args(argv)
+        run_lengths(args)
+        spec = base_spec(args, "cpu")
+        assert (spec.seq, spec.batch, spec.warmup, spec.steps) == want, argv
+        assert (spec.layers, spec.hidden) == (12, 768), "GPT-2 small's depth and width either way"
+
+
+def test_the_demo_tables_fit_80_columns_without_cutting_a_cell() -> None:
+    import io
+
+    from rich.console import Console
+
+    from gds_offload.bench.train.demo_view import LiveView, render_summary
+    from gds_offload.bench.train.spec import RunResult
+
+    screen = io.StringIO()
+    console = Console(file=screen, width=80, force_terminal=False)
+    view = LiveView(console, "gds-offload demo: gpt layers=12 hidden=768 heads=12 seq=256 batch=4 on cpu, 1 warm-up + 4 steps per run")
+    view.label, view.setup = "run 2/2: offload:auto", {"engine": "posix", "gds": False, "engine_reason": "the model is on the CPU"}
+    big = {"resident_bytes": 1020 << 20, "peak_resident_bytes": 1020 << 20, "write_gbps": 12.34, "read_gbps": 23.45}
+    for i, phase in enumerate(["warmup", "measure", "paused", "paused", "measure"]):
+        view.rows.append({"step": 100 + i, "phase": phase, "loss": 10.123456, "step_s": 123.45, "rss_bytes": 1020 << 20, "offload": big})
+    console.print(view.render())
+    stats = {"steps": 4, "peak_resident_bytes": 1020 << 20, "io_wait_s": 0.1, "write_s": 1.0, "read_s": 1.0, "engine": "posix", "gds": False}
+    stats |= {k: 1020 << 20 for k in ("bytes_packed", "bytes_offloaded", "bytes_deduplicated", "bytes_forwarded", "bytes_read", "bytes_kept")}
+    keep = RunResult("keep", "ok", median_step_s=123.456, peak_activation_bytes=1020 << 20, input_wait_s=[0.0001])
+    off = RunResult("offload:compat", "ok", median_step_s=123.456, peak_activation_bytes=1020 << 20, input_wait_s=[0.0001],
+                    step_s=[1.0, 1.0], paired_keep_s=[1.0, 1.0], offload=stats)  # fmt: skip
+    console.print(render_summary(keep, off, True))
+    text = screen.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    for cell in ("10.123456", "123.45 s", "1020 MiB", "12.3/23.4", "paused", "warm-up", "offload", "peak held", "offloaded / paused, 2 pairs"):
+        assert cell in text, (cell, text)
 
 
 def test_demo_into_a_pipe_shows_each_step_as_it_runs_and_stops_on_a_line_of_its_own(tmp_path) -> None:

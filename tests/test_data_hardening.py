@@ -121,7 +121,7 @@ def test_a_killed_shards_command_leaves_a_set_the_loader_refuses(tmp_path: Path,
     kill_shards_command(point, after, out, *(["--overwrite"] if overwrite else []))
     written = 13 if point == "write_index" else after
     assert sorted(p.name for p in out.iterdir()) == [f"shard-{i:06d}.npy" for i in range(written)]
-    with pytest.raises(ShardError, match=r"no shards\.json: the set is incomplete \(was `gds-offload shards` interrupted\?\)") as info:
+    with pytest.raises(ShardError, match=r"no shards\.json: the set is incomplete \(was gds-offload shards interrupted\?\)") as info:
         TokenLoader(out, batch_size=4)
     assert str(out) in str(info.value) and "--overwrite" in str(info.value)
     capsys.readouterr()

@@ -110,19 +110,24 @@ def test_every_block_is_found_and_marked() -> None:
 
 
 def test_import_gds_offload_gives_its_subpackages() -> None:
-    """``import gds_offload`` then ``gds_offload.weights.convert`` (as the README writes it):
-    the subpackages are attributes of the package, imported on first use."""
+    """``import gds_offload`` then ``gds_offload.weights.convert`` and
+    ``gds_offload.integrations.transformers.OffloadCallback`` (as the README writes them): the
+    subpackages, and the integrations in theirs, are attributes imported on first use
+    (transformers with its integration, not with the package)."""
     code = ("import gds_offload, sys\n"
-            "assert 'gds_offload.weights' not in sys.modules\n"
+            "assert 'gds_offload.weights' not in sys.modules and 'transformers' not in sys.modules\n"
             "print(gds_offload.weights.convert.__name__, gds_offload.data.TokenLoader.__name__,\n"
-            "      gds_offload.integrations.__name__, gds_offload.models.GPTConfig.__name__, gds_offload.io.make_engine.__name__)\n")
+            "      gds_offload.integrations.__name__, gds_offload.models.GPTConfig.__name__, gds_offload.io.make_engine.__name__)\n"
+            "print(type(gds_offload.integrations.transformers.OffloadCallback(path='spill')).__name__)\n")
     done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["convert", "TokenLoader", "gds_offload.integrations", "GPTConfig", "make_engine"]
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        import gds_offload
+    assert done.stdout.split() == ["convert", "TokenLoader", "gds_offload.integrations", "GPTConfig", "make_engine", "OffloadCallback"]
+    import gds_offload
 
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
         gds_offload.nope  # noqa: B018
+    with pytest.raises(AttributeError, match="the integrations: transformers"):
+        gds_offload.integrations.nope  # noqa: B018
 
 
 def _tree_files(text: str) -> set[str]:

@@ -150,17 +150,31 @@ def test_attach_twice_refused(tmp_path) -> None:
 
 
 def test_missing_path_created_private(tmp_path) -> None:
-    """An explicit path that does not exist is created, parents too, each 0700 whatever the
+    """An explicit path that does not exist, under a folder that does, is created 0700 whatever the
     umask."""
-    target = tmp_path / "a" / "b" / "spill"
+    target = tmp_path / "spill"
     old = os.umask(0)
     try:
         with offload_everything(MLP(), target) as off:
             assert off.attached
     finally:
         os.umask(old)
-    for d in (tmp_path / "a", tmp_path / "a" / "b", target):
-        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+
+
+def test_a_path_whose_parent_is_missing_is_refused_naming_the_disk_it_would_land_on(tmp_path) -> None:
+    """``path="/mnt/nvme9/spill"`` (a mistyped drive) would be made on the disk above it: refused,
+    naming the nearest folder that exists and its filesystem; nothing is created."""
+    from gds_offload.io.directory import mount_of
+
+    target = tmp_path / "nvme9" / "spill"
+    device, mnt, fstype = mount_of(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        offload_everything(MLP(), target)
+    msg = str(caught.value)
+    assert msg.startswith(f"path={str(target)!r}: its parent {tmp_path / 'nvme9'} does not exist"), msg
+    assert f"the nearest existing parent is {tmp_path}, on {device} ({fstype}, mounted at {mnt}" in msg, msg
+    assert not (tmp_path / "nvme9").exists()
 
 
 def test_non_directory_refused(tmp_path) -> None:
@@ -386,3 +400,23 @@ def test_unknown_engine_refused() -> None:
 
     with pytest.raises(ConfigError, match="engine 'nvme' unknown"):
         make_engine("nvme")  # type: ignore[arg-type]
+
+
+def test_stats_and_plan_print_a_short_summary_with_units(tmp_path) -> None:
+    """``print(off.stats())`` and ``print(off.plan())``: a few lines with units, not a 1,500-character
+    repr with bytes as integers; the dataclass repr and fields stay for programs."""
+    model, (x,) = make("gpt")
+    with gds_offload.attach(model, path=tmp_path, mode="posix", min_bytes="16KiB") as off:
+        for _ in range(2):
+            model(x).backward()
+        st = settled(off)
+        text, plan = str(st), str(off.plan())
+    lines = text.splitlines()
+    assert 3 <= len(lines) <= 6 and all(len(line) <= 160 for line in lines), text
+    assert lines[0].startswith("gds_offload: 2 steps, engine posix") and "per step:" in lines[1] and "KiB" in lines[1]
+    assert "under min_bytes" in lines[1] and st.bytes_small > 0, "the model saves tensors under 16 KiB"
+    assert "hidden behind compute" in text and str(st.bytes_offloaded) not in text
+    assert repr(st).startswith("OffloadStats(engine=") and st.as_dict()["bytes_offloaded"] == st.bytes_offloaded
+    plan_lines = plan.splitlines()
+    assert plan_lines[0].startswith("gds_offload plan (all): ") and "offload 3 of 4 units" in plan_lines[1], plan
+    assert len(plan_lines) <= 6 and all(len(line) <= 160 for line in plan_lines), plan

@@ -151,8 +151,12 @@ def test_trainer_callback_is_exact_and_logs(tmp_path) -> None:
     for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), f"parameter {n} differs"
     logged = [e for e in trainer.state.log_history if "loss" in e]
-    assert all(e[LOG_PREFIX + "bytes_offloaded"] > 0 for e in logged)
+    assert all(e[LOG_PREFIX + "offloaded_mib"] > 0 for e in logged)
     assert logged[-1][LOG_PREFIX + "steps"] == 2
+    # a handful of named figures, not the raw counters
+    figures = sorted(k.removeprefix(LOG_PREFIX) for k in logged[-1] if k.startswith(LOG_PREFIX))
+    assert figures == ["fallback_mib", "io_hidden", "io_wait_s", "kept_mib", "offloaded_mib", "peak_resident_mib", "steps"]
+    assert 0.0 <= logged[-1][LOG_PREFIX + "io_hidden"] <= 1.0
     # detached at the end: nothing left on the model, final stats kept
     assert cb.offloader is None and gds_offload.offloader_of(model) is None
     assert cb.final_stats is not None and cb.final_stats.bytes_read + cb.final_stats.bytes_forwarded > 0

@@ -7,6 +7,7 @@ import importlib
 import itertools
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -140,6 +141,17 @@ def test_existing_store_is_not_overwritten_without_force(ckpt: Path, store: Path
         convert(ckpt, store)
 
 
+def test_a_store_or_export_under_a_missing_folder_is_refused(base: Path, ckpt: Path, store: Path) -> None:
+    """store="/mnt/nvme9/store" (a mistyped drive) is not made on the disk above it: refused, naming
+    the nearest folder there is; a missing store under an existing folder is made as before."""
+    from gds_offload.weights import export
+
+    for call in (lambda: convert(ckpt, base / "nvme9" / "store"), lambda: export(store, base / "nvme9" / "out")):
+        with pytest.raises(ConfigError, match=re.escape(f"its parent {base / 'nvme9'} does not exist; the nearest existing parent is {base}, on ")):
+            call()
+        assert not (base / "nvme9").exists()
+
+
 def test_too_small_drive_is_refused_before_writing(monkeypatch: pytest.MonkeyPatch, base: Path, ckpt: Path) -> None:
     monkeypatch.setattr(convert_mod, "free_bytes", lambda path: 100_000)
     out = base / "store-nospace"
@@ -218,6 +230,17 @@ def test_logits_bit_identical_to_resident(ckpt: Path, store: Path, ids: torch.Te
             s = h.stats()
     assert s.misses == 0 and s.wasted_reads == 0
     assert len(s.streamed_layers) == (0 if tier == "host" else LAYERS - resident_layers)
+
+
+def test_stats_print_a_short_summary_with_units(store: Path, ids: torch.Tensor) -> None:
+    with torch.no_grad(), load_streamed(meta_skeleton(store), store, slots=2) as h:
+        h(ids)
+        s = h.stats()
+    text = str(s)
+    lines = text.splitlines()
+    assert 3 <= len(lines) <= 7 and all(len(line) <= 170 for line in lines), text
+    assert lines[0].startswith(f"gds_offload weights: {LAYERS} layers streamed, 0 resident, on cpu") and "KiB" in text
+    assert str(s.bytes_read) not in text and repr(s).startswith("StreamStats(tier=")
 
 
 def test_generate_greedy_and_sampling_match(ckpt: Path, store: Path, ids: torch.Tensor) -> None:

@@ -235,6 +235,31 @@ def test_the_plan_command_prints_writes_json_and_a_png(store: Path, tmp_path: Pa
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["choice"]["micro_batch"] >= 1 and doc["predicted"]["tokens_per_s"] > 0 and doc["command"].startswith("gds-offload plan")
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # loaded back the way it was saved: a path to load_streamed, from_pretrained and generate_many
+    from helpers.llama import meta_skeleton
+
+    from gds_offload.weights import Plan, from_pretrained
+
+    saved = Plan.load(tmp_path / "plan.json")
+    assert asdict(saved.choice) == doc["choice"] | {"kv": KVPlacement(doc["choice"]["kv"])}
+    with load_streamed(meta_skeleton(store), store, plan=str(tmp_path / "plan.json")) as lm:
+        assert lm.plan is not None and lm.plan.choice == saved.choice
+        assert len(lm.stats().resident_layers) == saved.choice.resident_layers
+    with from_pretrained(store.parent / "ckpt", store=store, plan=tmp_path / "plan.json", progress=False) as lm:
+        assert lm.plan is not None and lm.plan.choice == saved.choice
+    with pytest.raises(ConfigError, match="plan= and workload="):
+        from_pretrained(store.parent / "ckpt", store=store, plan=saved, workload=saved.workload, progress=False)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is not a plan gds-offload plan --out wrote \(KeyError"):
+        load_streamed(meta_skeleton(store), store, plan=tmp_path / "bad.json")
+
+
+def test_the_plan_command_refuses_an_output_in_a_missing_folder(store: Path, tmp_path: Path) -> None:
+    """A mistyped --out folder is refused before anything is measured, naming the nearest folder there is."""
+    proc = _cli(str(store), "--memory", "4GiB", "--out", str(tmp_path / "nonexist" / "dir" / "p.json"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"its parent {tmp_path / 'nonexist' / 'dir'} does not exist; the nearest existing parent is {tmp_path}" in proc.stderr
+    assert not (tmp_path / "nonexist").exists()
 
 
 @pytest.mark.parametrize(
@@ -362,3 +387,45 @@ def estimate_ft(p: Profile, w: Any, c: Choice, memory: int) -> Any:
     from gds_offload.weights.cost import estimate_finetune
 
     return estimate_finetune(p, w, c, memory)
+
+
+def test_from_pretrained_says_each_phase_unless_told_not_to(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Off a terminal (pytest's capture): one line per phase on stderr, with no progress= given;
+    progress=False: nothing; a logger: a record per phase."""
+    import logging
+
+    from gds_offload.weights import from_pretrained
+
+    ckpt, out = store.parent / "ckpt", tmp_path / "s"
+    from_pretrained(ckpt, store=out, memory="8GiB").close()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("from_pretrained: ")]
+    assert said == [f"from_pretrained: converting {ckpt} into {out} (no store yet)", f"from_pretrained: loading {out} on cpu"]
+    from_pretrained(ckpt, store=out, memory="8GiB", progress=False).close()
+    assert "from_pretrained" not in capsys.readouterr().err
+    logger = logging.getLogger("gds_offload.test.progress")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        from_pretrained(ckpt, store=out, memory="8GiB", progress=logger).close()
+    assert caplog.messages == [f"from_pretrained: loading {out} on cpu"]
+    with pytest.raises(ConfigError, match="progress='yes'"):
+        from_pretrained(ckpt, store=out, memory="8GiB", progress="yes")  # type: ignore[arg-type]
+
+
+def test_on_a_terminal_each_phase_is_a_bar_left_as_one_line() -> None:
+    import io
+
+    from rich.console import Console
+
+    from gds_offload.weights.progress import reporter
+
+    screen = io.StringIO()
+    say = reporter(True, name="from_pretrained", console=Console(file=screen, force_terminal=True, width=100))
+    with say.phase("converting ckpt into store") as phase:
+        phase.bytes("model.layers.0", 512 << 10, 1 << 20)
+    with say.phase("measuring the model") as phase:
+        phase.step("prefill of 4 x 16 tokens")
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", screen.getvalue())
+    assert "converting ckpt into store" in text and "512 KiB of 1 MiB (model.layers.0)" in text and "done converting ckpt into store" in text
+    assert "measuring the model: prefill of 4 x 16 tokens" in text and text.count("done") >= 2, text

@@ -71,3 +71,11 @@ def test_a_drive_without_room_for_a_generation_is_refused_before_the_step(store:
         with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB free in .*small/train for a step's generation .* and 2x as much optimizer state"):
             StreamedTrainer(lm, ADAMW, state_dir=small / "train")
         assert sum(lm.stats().loads) == 0
+
+
+def test_a_state_dir_under_a_missing_folder_is_refused_at_construction(store: Path, tmp_path: Path) -> None:
+    """state_dir="/mnt/nvme9/train" (a mistyped drive) is not made on the disk above it."""
+    with load_streamed(meta_skeleton(store), store) as lm:
+        with pytest.raises(ConfigError, match=f"state_dir='{tmp_path / 'nvme9' / 'train'}': its parent {tmp_path / 'nvme9'} does not exist"):
+            StreamedTrainer(lm, ADAMW, state_dir=tmp_path / "nvme9" / "train")
+    assert not (tmp_path / "nvme9").exists()

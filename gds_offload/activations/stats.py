@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gds_offload.units import format_bytes
+
 __all__ = ["OffloadStats", "LayerStats"]
 
 
@@ -56,6 +58,8 @@ class OffloadStats:
     bytes_offloaded: int = 0
     #: Bytes kept resident by policy (last layers, plan) or size (under min_bytes).
     bytes_kept: int = 0
+    #: Of ``bytes_kept``: storages smaller than ``min_bytes``.
+    bytes_small: int = 0
     #: Bytes served from memory at unpack because the write was still in flight or the data resident.
     bytes_forwarded: int = 0
     bytes_read: int = 0
@@ -95,3 +99,32 @@ class OffloadStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def io_hidden(self) -> float | None:
+        """The share of the drive's busy time the training thread did not wait for:
+        ``1 - io_wait_s / (write_s + read_s)``, in [0, 1]; ``None`` before any I/O."""
+        busy = self.write_s + self.read_s
+        return None if busy <= 0 else min(1.0, max(0.0, 1.0 - self.io_wait_s / busy))
+
+    def __str__(self) -> str:
+        """A few lines with units (``print(off.stats())``); ``repr`` and the fields stay for programs."""
+        steps = max(self.steps, 1)
+
+        def per_step(n: int) -> str:
+            return format_bytes(n / steps)
+
+        ranks = f" on {self.ranks} ranks" if self.ranks > 1 else ""
+        lines = [f"gds_offload: {self.steps} step{'' if self.steps == 1 else 's'}{ranks}, engine {self.engine} "
+                 f"({'GDS' if self.gds else 'no GDS'})"]
+        small = f", {per_step(self.bytes_small)} of it under min_bytes" if self.bytes_small else ""
+        lines.append(f"  per step: {per_step(self.bytes_packed)} saved for backward; {per_step(self.bytes_offloaded)} offloaded, "
+                     f"{per_step(self.bytes_deduplicated)} deduplicated, {per_step(self.bytes_kept)} kept in memory{small}")
+        lines.append(f"  memory: peak {format_bytes(self.peak_resident_bytes)} of saved activations held "
+                     f"(now {format_bytes(self.resident_bytes)}); spill file {format_bytes(self.spill_file_bytes)}")
+        hidden = self.io_hidden()
+        hid = "" if hidden is None else f" ({hidden:.0%} hidden behind compute)"
+        lines.append(f"  I/O: {per_step(self.bytes_read)} read back per step; writing {self.write_s:.2f} s, reading "
+                     f"{self.read_s:.2f} s; waited {self.io_wait_s:.2f} s{hid}, {self.stalls} stall{'' if self.stalls == 1 else 's'}")
+        if self.bytes_fallback:
+            lines.append(f"  {format_bytes(self.bytes_fallback)} could not be written and stayed in memory (bytes_fallback)")
+        return "\n".join(lines)

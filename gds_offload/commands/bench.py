@@ -34,13 +34,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from gds_offload.bench.docs.plot import plot_results
-from gds_offload.commands.run_args import add_model_arguments, base_spec, positive_int, resolve_device
+from gds_offload.commands.run_args import add_model_arguments, base_spec, check_outputs, positive_int, resolve_device, wrote_line
 from gds_offload.errors import ConfigError
 
 HELP = "benchmark keep / offload / recompute / ... on one model: step time, activation memory, exactness"
 
 DEFAULT_MODES = "auto"
+_OUT, _PLOT = "results/bench.json", "results/bench.png"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive_int, default=1, help="run every mode this many times, interleaved (each round starts one mode later); ratios are taken within a round and the median is reported: slow spells of a shared machine then hit every mode alike (default: 1)")
     p.add_argument("--paired", action="store_true", help="offload modes also time steps with the offloader paused, alternating with offloaded ones in the same process (ABBA); the 'x keep, paired' column is the median ratio of each pair (an odd --steps leaves the last offloaded step unpaired)")
     p.add_argument("--policy", default="all", choices=("all", "adaptive"), help="attach policy of the offload modes (default: all)")
-    p.add_argument("--out", default="results/bench.json", help="JSON results file; '' for none (default: results/bench.json)")
-    p.add_argument("--plot", default="results/bench.png", help="PNG of step time and memory per mode; '' for none (default: results/bench.png)")
+    p.add_argument("--out", default=_OUT, help=f"JSON results file; '' for none (default: {_OUT}, in the current directory)")
+    p.add_argument("--plot", default=_PLOT, help=f"PNG of step time and memory per mode; '' for none (default: {_PLOT}, in the current directory)")
     p.add_argument("--title", default="", help="a title for the result file (shown on the performance page)")
     p.add_argument("--about", default="", help="a sentence on what the run shows (shown on the performance page)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.train.suite import (
         check_in_process,
         combine_rounds,
+        plot_modes,
         render_table,
         results_doc,
         run_modes,
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         return _run_ranks(args)
     try:
+        check_outputs(("--out", args.out, _OUT), ("--plot", args.plot, _PLOT))
         device = resolve_device(args.device)
         base = base_spec(args, device)
         modes = select_modes(args.modes, device, base.path)
@@ -100,14 +102,10 @@ def run(args: argparse.Namespace) -> int:
     counts = sorted({r.torch_threads for r in rows if r.torch_threads})
     threads = f"torch threads: {'/'.join(map(str, counts))}" if counts and device == "cpu" else ""
     if args.plot:
-        try:  # matplotlib is optional: plot_results imports it
-            m = doc["machine"]
-            title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {device} "
-                     f"({m['cpu_usable']} CPUs{', ' + threads if threads else ''}{', ' + m['gpus'][0] if m['gpus'] else ''}; {m['filesystem']})")
-            ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio", "paired_ratio")} for m, row in summary["modes"].items()}
-            plot_results([r.as_dict() | ratios[r.mode] for r in rows], args.plot, title=title)
-        except ImportError as exc:
-            console.print(f"[yellow]no plot: {exc}[/]")
+        no_plot = plot_modes(rows, summary, doc["machine"], base, args.plot, threads=threads)
+        if no_plot is not None:
+            console.print(f"[yellow]no plot: {no_plot}[/]")
+            args.plot = ""
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -119,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
         if args.paired:
             title += "; x keep, paired = offloaded step / paused step in one process"
         render_table(rows, summary, title=title)
-        if args.out:
-            Console().print(f"results: {args.out}" + (f", plot: {args.plot}" if args.plot else ""))
+        written = wrote_line(args.out, args.plot)
+        if written:
+            Console().print(written, markup=False, highlight=False, soft_wrap=True)
     bad = summary["failed"] or unexplained_differences(summary)
     return 1 if bad else 0
 

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, workdir_arg
+from gds_offload.commands.run_args import batch_sizes_arg, check_outputs, memory_limit_arg, modes_arg, positive_int, workdir_arg
 from gds_offload.errors import ConfigError
 
 HELP = "benchmark LoRA (or, with --full, full) fine-tuning with weights resident, streamed, and under Accelerate or DeepSpeed offload"
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.bench.weights.finetune import MODES
 
     try:  # every flag, before the checkpoint is made and the first child starts
+        check_outputs(("--out", args.out, None))
         if args.full:
             from gds_offload.bench.weights.full import FULL_MODES
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.activations.spill.store import GROW_BYTES, free_bytes
-from gds_offload.commands.run_args import positive_int
+from gds_offload.commands.run_args import check_outputs, positive_int
 from gds_offload.errors import ConfigError
 from gds_offload.io.directory import prepare_dir, spill_dir_origin
 from gds_offload.units import format_bytes, parse_bytes
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
+        check_outputs(("--json", args.json, None))
         total = parse_bytes(args.size, name="--size")
         sizes = _list(args.tensor_sizes, parse_bytes, "--tensor-sizes")
         engines = [e.strip() for e in args.engines.split(",") if e.strip()]

@@ -25,7 +25,7 @@ from typing import Any
 
 from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
-from gds_offload.commands.run_args import memory_limit_arg, modes_arg, positive_int, workdir_arg
+from gds_offload.commands.run_args import check_outputs, memory_limit_arg, modes_arg, positive_int, workdir_arg
 from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes
 
@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
         modes = tuple(modes_arg(args.modes, MODES))
         peers = tuple(modes_arg(args.peers, PEERS)) if args.peers else ()
         d = (16, 16, 4, 8, 8) if args.tiny else (512, 64, 32, 16, 32)

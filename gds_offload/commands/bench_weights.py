@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gds_offload.commands.run_args import batch_sizes_arg, memory_limit_arg, modes_arg, positive_int, resolve_device, workdir_arg
+from gds_offload.commands.run_args import batch_sizes_arg, check_outputs, memory_limit_arg, modes_arg, positive_int, resolve_device, workdir_arg
 from gds_offload.errors import ConfigError
 
 HELP = "benchmark inference with weights resident, streamed from drive/host, and Accelerate disk offload"
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from gds_offload.io.factory import validate_mode
 
     try:  # every flag, before the checkpoint is made and the first child starts
+        check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
         modes = modes_arg(args.modes, MODES)
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise ConfigError(f"--device {args.device!r}: expected cpu or cuda")

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gds_offload.commands.run_args import check_outputs
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.units import format_bytes, parse_bytes
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--memory=0: give the memory the run may use, e.g. 1.2GiB")
         workload = (Finetune(args.sequences, args.seq, args.global_batch, args.lora_r) if args.workload == "finetune"
                     else Generate(args.prompts, args.prompt_len, args.new_tokens))  # fmt: skip
+        check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
         check_feasible(args.store, workload, memory)
         profile = _measure(args, workload, memory)
         doubt = trust(profile.measured)
@@ -67,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     doc = plan.as_dict() | {"command": getattr(args, "command_line", "gds-offload plan")}
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot is not None:
         from gds_offload.bench.weights.plan_plot import plot_plan

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,13 +13,14 @@ from gds_offload.bench.docs.stale import freshness
 if TYPE_CHECKING:
     from gds_offload.bench.docs.report import Section
 
+_DEFAULTS = {"--results": "docs/results", "--out": "docs/performance.md", "--readme": "README.md"}
 HELP = "regenerate the performance page (docs/performance.md) from the result files in docs/results/"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--results", default="docs/results", help="directory of result files (default: docs/results)")
-    p.add_argument("--out", default="docs/performance.md", help="the page to write (default: docs/performance.md)")
-    p.add_argument("--readme", default="README.md", help="the README whose headline results to rewrite between their markers (default: README.md; '' for none)")
+    p.add_argument("--results", default=_DEFAULTS["--results"], help="directory of result files (default: docs/results)")
+    p.add_argument("--out", default=_DEFAULTS["--out"], help="the page to write (default: docs/performance.md)")
+    p.add_argument("--readme", default=_DEFAULTS["--readme"], help="the README whose headline results to rewrite between their markers (default: README.md; '' for none)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the page or the README's headline is not what the result files give, "
                         "or if a result is stale: measured at a commit older than the last change to the code it measures")
@@ -63,10 +65,17 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         outdated = [str(p) for p, text in outputs.items() if (p.read_text() if p.exists() else "") != text]
         if outdated:
-            print(f"gds-offload report: {', '.join(outdated)} out of date; run gds-offload report", file=sys.stderr)
+            given = "".join(" " + shlex.quote(word) for word in _given(args))
+            print(f"gds-offload report: {', '.join(outdated)} out of date; run `gds-offload report{given}`", file=sys.stderr)
         return 1 if outdated or (stale_results and not args.ignore_stale) else 0
     for p, text in outputs.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     print(f"{out}: {len(sections)} result file(s)" + (f"; headline results in {args.readme}" if args.readme else ""))
     return 0
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The flags given other than ``--check``: the command that rewrites what ``--check`` compared."""
+    values = {"--results": args.results, "--out": args.out, "--readme": args.readme}
+    return [word for flag, value in values.items() if value != _DEFAULTS[flag] for word in (flag, value)]

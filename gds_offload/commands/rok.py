@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 from gds_offload.bench.machine import describe
-from gds_offload.commands.run_args import positive_int, resolve_device
+from gds_offload.commands.run_args import check_outputs, positive_int, resolve_device
 from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes, parse_bandwidth, parse_bytes
 
+_OUT, _PLOT = "results/rok.json", "results/rok.png"
 HELP = "recompute-offload-keep sweep: the fastest micro-batch and placement within a memory limit"
 
 
@@ -40,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bandwidth", default=None, help="cap the drive, e.g. 300MB/s (imitate a GPU:SSD ratio)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--memory", default=None, help="activation memory you have, e.g. 2GiB: recommend the fastest point that fits")
-    p.add_argument("--out", type=Path, default=Path("results/rok.json"))
-    p.add_argument("--plot", type=Path, default=Path("results/rok.png"))
+    p.add_argument("--out", type=Path, default=Path(_OUT))
+    p.add_argument("--plot", type=Path, default=Path(_PLOT))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gds-offload rok: --placements: unknown {bad or '(none given)'}; expected some of {', '.join(rok.PLACEMENTS)}", file=sys.stderr)
         return 2
     try:
+        check_outputs(("--out", args.out, _OUT), ("--plot", args.plot, _PLOT))
         memory = None if args.memory is None else parse_bytes(args.memory, name="--memory")
         if memory is not None and memory <= 0:
             raise ConfigError(f"--memory {args.memory!r} must be positive, e.g. 2GiB (0 is not 'the default': leave the flag out)")

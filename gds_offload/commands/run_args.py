@@ -19,7 +19,7 @@ from typing import Any
 
 from gds_offload.bench.cgroup import check_limit
 from gds_offload.errors import ConfigError
-from gds_offload.io.directory import prepare_dir
+from gds_offload.io.directory import missing_parent, prepare_dir
 from gds_offload.units import parse_bandwidth, parse_bytes
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "default_workdir",
     "workdir_arg",
     "memory_limit_arg",
+    "check_outputs",
+    "wrote_line",
 ]
 
 
@@ -118,7 +120,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
     from gds_offload.bench.train.spec import RunSpec
     from gds_offload.models.gpt import GPTConfig, demo_preset
 
-    preset, preset_batch = demo_preset(device)
+    preset, preset_batch = demo_preset(device, quick=not getattr(args, "full", True))  # demo without --full
 
     def given(value: int | None, default: int) -> int:
         return default if value is None else value  # 0 is refused by argparse, never "the default"
@@ -223,3 +225,28 @@ def memory_limit_arg(text: str | None) -> int | None:
     limit = parse_bytes(text, name="--memory-limit")
     check_limit(limit, name=f"--memory-limit {text}")
     return limit
+
+
+# ---------------------------------------------------------------- output files
+def check_outputs(*outputs: tuple[str, object, object]) -> None:
+    """Refuse an output file the user named (``(flag, value, the flag's default)``) whose folder
+    does not exist: a mistyped folder would be made, perhaps on another disk, without a word. The
+    command's own default (``results/bench.json``) makes its folder as before; ``''`` and ``'-'``
+    (no file, or stdout) pass.
+
+    Raises:
+        ConfigError: naming the flag, the path, and the nearest existing parent and its filesystem.
+    """
+    for flag, value, default in outputs:
+        if value is None or str(value) in ("", "-") or (default is not None and str(value) == str(default)):
+            continue
+        problem = missing_parent(Path(str(value)))
+        if problem is not None:
+            raise ConfigError(f"{flag} {value}: {problem}")
+
+
+def wrote_line(results: object, plot: object) -> str:
+    """The line that says where a command wrote its results and plot, as absolute paths (a
+    default such as ``results/bench.json`` lands in the current directory); ``""`` for neither."""
+    parts = [f"{what}: {Path(str(p)).resolve()}" for what, p in (("results", results), ("plot", plot)) if p and str(p) != "-"]
+    return ", ".join(parts)

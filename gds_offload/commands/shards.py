@@ -20,9 +20,11 @@ import json
 import sys
 from pathlib import Path
 
+from gds_offload.commands.run_args import check_outputs
 from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes, parse_bytes
 
+_BENCH_OUT = "results/loader.json"
 HELP = "write aligned .npy token shards from text files or synthetic tokens; --check a path; --bench the loader"
 
 
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file-bytes", default="4MiB", help="target size of one shard file (default: 4MiB)")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in the output directory")
     p.add_argument("--json", action="store_true", help="--check: print JSON")
-    p.add_argument("--out", dest="bench_out", default="results/loader.json", help="--bench: result JSON ('' for none) (default: results/loader.json)")
+    p.add_argument("--out", dest="bench_out", default=_BENCH_OUT, help="--bench: result JSON ('' for none) (default: results/loader.json)")
     p.add_argument("--batches", default="4,64", help="--bench: comma-separated batch sizes (default: 4,64)")
     p.add_argument("--rounds", type=int, default=3, help="--bench: interleaved rounds per loader (default: 3)")
     p.add_argument("--max-windows", type=int, default=None, help="--bench: stop each loader after this many windows (default: one epoch)")
@@ -123,6 +125,7 @@ def _usage(message: str) -> Exception:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_outputs(("--out", args.bench_out, _BENCH_OUT))
         if args.check:
             return _check(args)
         if args.bench:

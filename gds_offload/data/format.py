@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shlex
 import struct
 import warnings
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from gds_offload.errors import ConfigError
+from gds_offload.io.directory import missing_parent
 from gds_offload.io.layout import ALIGN
 
 __all__ = [
@@ -62,7 +64,7 @@ MANIFEST_NAME = "shards.json"
 #: ``format`` field of the manifest (``/1`` had no sizes, times or hashes).
 FORMAT = "gds_offload.shards/2"
 _MAGIC = b"\x93NUMPY"
-_FIX = "write the directory again with `gds-offload shards`"
+_FIX = "write the directory again: `gds-offload shards DIR --text FILE... --overwrite` (DIR: the file's directory)"
 _HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -334,15 +336,15 @@ def _read_index(directory: Path) -> tuple[dict[str, Any], list[ShardEntry]]:
     """The index's document and its entries; refused when absent, unreadable or of another format."""
     path = directory / MANIFEST_NAME
     if not path.exists():
-        raise ShardError(f"{directory}: no {MANIFEST_NAME}: the set is incomplete (was `gds-offload shards` interrupted?); "
-                         f"run it again with --overwrite")
+        raise ShardError(f"{directory}: no {MANIFEST_NAME}: the set is incomplete (was gds-offload shards interrupted?); "
+                         f"write it again: `gds-offload shards {shlex.quote(str(directory))} --text FILE... --overwrite`")
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ShardError(f"{path}: unreadable manifest ({exc}); {_FIX}") from None
     if isinstance(doc, dict) and doc.get("format") == "gds_offload.shards/1":
         raise ShardError(f"{path}: a gds_offload.shards/1 index records no file sizes or hashes, so a resumed loader "
-                         f"cannot tell these shards from others; {_FIX} (--overwrite)")
+                         f"cannot tell these shards from others; {_FIX}")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ShardError(f"{path}: not a {FORMAT} manifest; {_FIX}")
     listed: Any = doc.get("files")
@@ -410,14 +412,17 @@ def scan_shards(directory: str | os.PathLike[str], *, seq: int | None = None) ->
     """
     root = Path(directory)
     if not root.exists():
+        no_parent = missing_parent(root)
+        if no_parent is not None:
+            raise ShardError(f"data directory {root} does not exist, and {no_parent}")
         raise ShardError(f"data directory {root} does not exist; write shards there with "
-                         f"`gds-offload shards {root} --text FILE...` (or --synthetic N)")
+                         f"`gds-offload shards {shlex.quote(str(root))} --text FILE...` (or --synthetic N)")
     if not root.is_dir():
         raise ShardError(f"data directory {root} is not a directory")
     paths = sorted(p for p in root.glob("*.npy") if p.is_file())
     if not paths:
         raise ShardError(f"data directory {root} holds no .npy shards; write some with "
-                         f"`gds-offload shards {root} --text FILE...` (or --synthetic N)")
+                         f"`gds-offload shards {shlex.quote(str(root))} --text FILE...` (or --synthetic N)")
     files = [read_shard_header(p) for p in paths]
     first = files[0]
     for f in files[1:]:

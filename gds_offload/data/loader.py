@@ -27,8 +27,10 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 import warnings
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -188,11 +190,17 @@ class TokenLoader:
         if not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
             raise ConfigError(f"TokenLoader shard_id={shard_id!r} must be in [0, num_shards={num_shards})")
         self.device = _resolve_device(device)
-        self.reader = _resolve_reader(reader, self.device)
+        self.reader = _resolve_reader(reader, self.device, Path(directory))
         self.shards: ShardSet = scan_shards(directory, seq=seq)
+        if self.shards.windows < num_shards:
+            raise ShardError(f"{self.shards.directory}: {self.shards.windows} windows of {self.shards.seq + 1} tokens cannot "
+                             f"feed num_shards={num_shards} ranks (each rank reads whole files, one window at least); write "
+                             f"more text into the set, or train on fewer ranks")
         if len(self.shards.files) < num_shards:
+            d, per_file = shlex.quote(str(self.shards.directory)), max(1, self.shards.windows // num_shards)
             raise ShardError(f"{self.shards.directory}: {len(self.shards.files)} file(s) cannot feed num_shards={num_shards} "
-                             f"ranks (each rank reads whole files); write smaller files (gds-offload shards --windows-per-file)")
+                             f"ranks (each rank reads whole files); write smaller files: `gds-offload shards {d} --text FILE... "
+                             f"--seq {self.shards.seq} --windows-per-file {per_file} --overwrite`")
         self.batch_size, self.seed, self.shard_id, self.num_shards = batch_size, seed, shard_id, num_shards
         self.shuffle, self.drop_last, self.pool_files = shuffle, drop_last, pool_files
         self.num_threads, self.prefetch = num_threads, prefetch
@@ -429,7 +437,7 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _resolve_reader(reader: str, device: torch.device) -> Literal["gpu", "cpu"]:
+def _resolve_reader(reader: str, device: torch.device, directory: Path) -> Literal["gpu", "cpu"]:
     if reader not in ("auto", "gpu", "cpu"):
         raise ConfigError(f"TokenLoader reader={reader!r}; expected auto, gpu or cpu")
     if reader == "gpu" and device.type != "cuda":
@@ -439,8 +447,8 @@ def _resolve_reader(reader: str, device: torch.device) -> Literal["gpu", "cpu"]:
             return "cpu"
 
         if not probe_libcufile().found:
-            warnings.warn("TokenLoader: libcufile not found, so DALI's GPU reader cannot run; reading on the CPU "
-                          "(see gds-offload shards --check DIR)", stacklevel=3)
+            warnings.warn(f"TokenLoader: libcufile not found, so DALI's GPU reader cannot run; reading on the CPU "
+                          f"(see `gds-offload shards --check {shlex.quote(str(directory))}`)", stacklevel=3)
             return "cpu"
         return "gpu"
     return reader  # type: ignore[return-value]

@@ -35,6 +35,7 @@ from gds_offload.data.format import (
     write_index,
     write_shard,
 )
+from gds_offload.io.directory import missing_parent
 from gds_offload.io.layout import ALIGN
 
 __all__ = [
@@ -253,7 +254,10 @@ class ShardWriter:
 def _prepare_directory(root: Path, overwrite: bool) -> None:
     if root.exists() and not root.is_dir():
         raise ShardError(f"output {root} exists and is not a directory")
-    root.mkdir(parents=True, exist_ok=True)
+    no_parent = missing_parent(root)
+    if no_parent is not None:
+        raise ShardError(f"output {root}: {no_parent}")
+    root.mkdir(exist_ok=True)
     foreign = sorted(p for p in root.glob("*.npy") if not p.name.startswith("shard-"))
     if foreign:
         raise ShardError(f"output {root} holds {foreign[0].name}, which is not a shard (the loader reads every .npy "

@@ -8,8 +8,9 @@ Usage::
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[OffloadCallback(path="/mnt/nvme/spill")])
     trainer.train()
 
-The callback attaches the offloader when training begins (``on_train_begin``), adds its
-counters to every log entry (``on_log``; keys prefixed ``gds_offload/``) and detaches
+The callback attaches the offloader when training begins (``on_train_begin``), adds a handful
+of named figures to every log entry (``on_log``; keys prefixed ``gds_offload/``:
+:meth:`OffloadCallback.figures`) and detaches
 when training ends (``on_train_end``). Layers are found by
 :func:`gds_offload.activations.layers.find_layers` (``model.layers.N`` for Llama, ``transformer.h.N``
 for GPT-2). ``model.gradient_checkpointing_enable()`` works alongside: the checkpointed
@@ -39,22 +40,7 @@ __all__ = ["OffloadCallback", "LOG_PREFIX"]
 #: Prefix of the keys this callback adds to the trainer's logs.
 LOG_PREFIX = "gds_offload/"
 
-_LOGGED = (
-    "steps",
-    "bytes_packed",
-    "bytes_offloaded",
-    "bytes_deduplicated",
-    "bytes_forwarded",
-    "bytes_read",
-    "bytes_kept",
-    "bytes_fallback",
-    "peak_resident_bytes",
-    "resident_bytes",
-    "write_s",
-    "read_s",
-    "io_wait_s",
-    "stalls",
-)
+_MIB = 2**20
 
 
 class OffloadCallback(TrainerCallback):
@@ -98,16 +84,27 @@ class OffloadCallback(TrainerCallback):
         return callback
 
     def figures(self) -> dict[str, float | int]:
-        """The offloader's counters since it was attached, as ``{"gds_offload/<name>": number}``."""
+        """A handful of the offloader's figures since it was attached, as ``{"gds_offload/<name>": number}``:
+
+        ``steps``; ``offloaded_mib`` (written to the drive, in all) and ``kept_mib`` (kept in memory,
+        in all); ``peak_resident_mib`` (the most saved-activation memory held at once);
+        ``io_wait_s`` (time training waited on the drive) and ``io_hidden`` (the share of the
+        drive's busy time it did not wait for, 0 to 1); ``fallback_mib`` (writes that failed and
+        stayed in memory). Every counter: ``callback.offloader.stats()`` (``final_stats`` after training).
+        """
         if self.offloader is None:
             return {}
         s = self.offloader.stats()
-        out: dict[str, float | int] = {LOG_PREFIX + k: getattr(s, k) for k in _LOGGED}
-        out[LOG_PREFIX + "gds"] = int(s.gds)
-        e = self.offloader.engine.stats()
-        out[LOG_PREFIX + "write_gbps"] = e.write_gbps()
-        out[LOG_PREFIX + "read_gbps"] = e.read_gbps()
-        return out
+        hidden = s.io_hidden()
+        return {
+            LOG_PREFIX + "steps": s.steps,
+            LOG_PREFIX + "offloaded_mib": round(s.bytes_offloaded / _MIB, 2),
+            LOG_PREFIX + "kept_mib": round(s.bytes_kept / _MIB, 2),
+            LOG_PREFIX + "peak_resident_mib": round(s.peak_resident_bytes / _MIB, 2),
+            LOG_PREFIX + "io_wait_s": round(s.io_wait_s, 4),
+            LOG_PREFIX + "io_hidden": round(1.0 if hidden is None else hidden, 4),
+            LOG_PREFIX + "fallback_mib": round(s.bytes_fallback / _MIB, 2),
+        }
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

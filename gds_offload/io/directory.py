@@ -24,6 +24,7 @@ __all__ = [
     "PSEUDO_FSTYPES",
     "check_dir",
     "default_spill_dir",
+    "missing_parent",
     "mount_of",
     "prepare_dir",
     "spill_dir_origin",
@@ -35,6 +36,9 @@ __all__ = [
 Origin = Literal["path", "--path", "GDS_OFFLOAD_DIR", "default", "--workdir", "default --workdir"]
 #: The origins whose directory must be the user's own.
 _DEFAULTS = ("default", "default --workdir")
+#: The origins created with their missing parents: the defaults, and ``$GDS_OFFLOAD_DIR`` (the
+#: default a user sets once). A path given to one call or command must have its parent already.
+_MAKE_PARENTS = ("default", "default --workdir", "GDS_OFFLOAD_DIR")
 
 #: Filesystems that hold no files a spill could use (refused, with the fix).
 PSEUDO_FSTYPES = frozenset({
@@ -72,7 +76,8 @@ class DirCheck:
 
     Attributes:
         path: the directory as given.
-        exists: it exists; when not, ``attach()`` creates it (mode 0700, parents as needed).
+        exists: it exists; when not, ``attach()`` creates it (mode 0700; parents as needed for the
+            default and ``$GDS_OFFLOAD_DIR``, else only when its parent exists).
         create_under: when missing, the nearest existing ancestor (where it would be created).
         problem: the :class:`ConfigError` message ``attach()`` would raise; empty when usable.
         fix: its last part, what to do instead.
@@ -132,6 +137,24 @@ def mount_of(path: Path) -> tuple[str, str, str]:
     return best
 
 
+def missing_parent(path: Path | str) -> str | None:
+    """Why ``path`` should not be created: its parent directory does not exist. The words name the
+    nearest existing parent and the filesystem it is on, where a mistyped drive (``/mnt/nvme9/store``)
+    would have been made. ``None`` when the parent exists (or ``path`` itself does).
+    """
+    p = Path(os.path.abspath(os.path.expanduser(path)))
+    if os.path.lexists(p) or os.path.lexists(p.parent):  # a parent that is a file: the callers say "cannot be created"
+        return None
+    ancestor = p.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    device, mnt, fstype = mount_of(ancestor)
+    root = ": the root filesystem" if mnt == "/" else ""
+    where = f"on {device} ({fstype}, mounted at {mnt}{root})" if mnt else "on an unknown filesystem"
+    return (f"its parent {p.parent} does not exist; the nearest existing parent is {ancestor}, {where}, where a "
+            f"mistyped drive would land. Create {p.parent} first if that is meant, or correct the path")
+
+
 def _mount_fstype(real: Path) -> tuple[str, str]:
     """(filesystem type, mount point) holding ``real``; empty strings when unknown."""
     _, mnt, fstype = mount_of(real)
@@ -161,8 +184,10 @@ def check_dir(path: Path | str, *, origin: Origin = "path") -> DirCheck:
     another user (root's are followed); anything under ``/proc``, ``/sys`` or another kernel
     interface; a non-directory; the default directory when another user owns it; a
     world-writable directory without the sticky bit; a read-only filesystem; a directory
-    this process cannot write. A missing directory is fine when its nearest existing
-    ancestor passes the same checks (``attach()`` creates it, 0700).
+    this process cannot write; a missing directory given by the caller (``path=``, ``--path``,
+    ``--workdir``) whose parent is missing too (:func:`missing_parent`: a mistyped drive). A
+    missing directory is fine when its nearest existing ancestor passes the same checks
+    (``attach()`` creates it, 0700; the default and ``$GDS_OFFLOAD_DIR`` with their parents).
     """
     path = Path(path)
     label, other = _label(path, origin), _elsewhere(origin)
@@ -231,6 +256,9 @@ def _short(other: str) -> str:
 def _check_missing(path: Path, origin: Origin) -> DirCheck:
     """A missing directory: can it be created (0700) under its nearest existing ancestor?"""
     label, other = _label(path, origin), _elsewhere(origin)
+    no_parent = None if origin in _MAKE_PARENTS else missing_parent(path)
+    if no_parent is not None:
+        return DirCheck(path, False, problem=f"{label}: {no_parent}", fix=other)
     ancestor = Path(os.path.abspath(path)).parent
     while True:
         try:

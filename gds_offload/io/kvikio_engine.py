@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 import threading
 from collections.abc import Mapping
@@ -278,7 +279,7 @@ class KvikIOEngine(PageSpanEngine):
                     if self.name == "gds":
                         raise GDSUnavailableError(
                             f"cuFile could not open {f.describe()} in GDS mode ({exc}); "
-                            f"run gds-check --path {f.directory} for the reason, or use mode='compat'"
+                            f"run `gds-check --path {shlex.quote(str(f.directory))}` for the reason, or use mode='compat'"
                         ) from exc
                     raise
                 self._handles[f] = h

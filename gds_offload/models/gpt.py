@@ -22,7 +22,7 @@ from torch import nn
 from gds_offload.errors import ConfigError
 
 __all__ = [
-    "GPTConfig", "GPT", "Block", "make_gpt", "synthetic_batch", "lm_loss", "DEMO_PRESETS", "demo_preset",
+    "GPTConfig", "GPT", "Block", "make_gpt", "synthetic_batch", "lm_loss", "DEMO_PRESETS", "DEMO_QUICK_PRESETS", "demo_preset",
     "MemoryEstimate", "estimate_memory",
 ]
 
@@ -152,7 +152,7 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-#: The demo's (and bench's default) model and batch per device kind. ``cpu`` is sized for
+#: The demo's (``--full``; and bench's default) model and batch per device kind. ``cpu`` is sized for
 #: a 2-core machine: GPT-2 small's width and depth, batch 4 of 512 tokens; one step saves
 #: over 1 GiB of activations (1.17 GiB offloaded; the last layer, LM head and loss stay;
 #: ``gds-offload demo`` prints the measured figures) and takes about 6 s without offloading.
@@ -165,9 +165,19 @@ DEMO_PRESETS: dict[str, tuple[GPTConfig, int]] = {
 }
 
 
-def demo_preset(device: str) -> tuple[GPTConfig, int]:
-    """``(config, batch)`` of the demo model for ``device`` (``cpu`` or ``cuda[:N]``)."""
-    return DEMO_PRESETS["cuda" if device.startswith("cuda") else "cpu"]
+#: ``gds-offload demo`` without ``--full``: the same model at half the sequence on a CPU (a
+#: step saves about 0.6 GiB, in tensors of 3 MiB and more, and takes 2-3 s), so the whole demo
+#: takes about a minute there; on a GPU the model of :data:`DEMO_PRESETS`.
+DEMO_QUICK_PRESETS: dict[str, tuple[GPTConfig, int]] = {
+    "cpu": (GPTConfig(layers=12, hidden=768, heads=12, seq=256, vocab=4096, dropout=0.1), 4),
+    "cuda": DEMO_PRESETS["cuda"],
+}
+
+
+def demo_preset(device: str, *, quick: bool = False) -> tuple[GPTConfig, int]:
+    """``(config, batch)`` of the demo model for ``device`` (``cpu`` or ``cuda[:N]``); ``quick``:
+    the default demo's (:data:`DEMO_QUICK_PRESETS`), else the full run's and bench's."""
+    return (DEMO_QUICK_PRESETS if quick else DEMO_PRESETS)["cuda" if device.startswith("cuda") else "cpu"]
 
 
 #: Bytes one :class:`Block` saves for backward per token and unit of width (fp32): its input,

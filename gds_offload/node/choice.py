@@ -6,6 +6,7 @@ so the checker and the offloader never disagree. The engine itself is made by
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +66,13 @@ def choose_engine(mode: Mode, path: Path | None, device: str | None = None) -> C
         if not kvik_ok:
             raise ConfigError(f"mode='compat' needs KvikIO: {kvik_why}; or use mode='posix'")
         return Choice("compat", f"KvikIO compat mode requested ({kvik_why})")
-    gds_ok, gds_why = _gds_verdict(path or Path("."))
+    where = path or Path(".").resolve()
+    gds_ok, gds_why = _gds_verdict(where)
     if mode == "gds":
         if not gds_ok:
             raise GDSUnavailableError(
-                f"mode='gds' but GPUDirect Storage is not usable at {path}: {gds_why}. "
-                f"Run `gds-check --path {path}` for details, or use mode='compat' (bounce buffers) or 'auto'"
+                f"mode='gds' but GPUDirect Storage is not usable at {where}: {gds_why}. "
+                f"Run `gds-check --path {shlex.quote(str(where))}` for details, or use mode='compat' (bounce buffers) or 'auto'"
             )
         return Choice("gds", f"GPUDirect Storage usable at {path}", strict=True)
     if gds_ok:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gds_offload.errors import ConfigError
+from gds_offload.weights.advice import reconvert_command
 from gds_offload.weights.errors import WeightsMismatchError
 from gds_offload.weights.manifest import RESIDENT, Manifest, TensorEntry
 
@@ -142,7 +143,7 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         if not stored:
             missing.append(names[0] + (f" (tied with {', '.join(names[1:])})" if len(names) > 1 else ""))
             continue
-        if len(stored) > 1 and _tie_breaks(names, stored, entries):
+        if len(stored) > 1 and _tie_breaks(names, stored, entries, redo=reconvert_command([where], manifest.source.get("checkpoint"))):
             # transformers' rule (PreTrainedModel.tie_weights in from_pretrained): tied names the checkpoint
             # holds with different values are untied, each getting its own; so here.
             for name in stored:
@@ -183,7 +184,7 @@ def _bind_one(binding: Binding, e: TensorEntry, targets: list[Target], names: li
     binding.targets[e.name] = targets
 
 
-def _tie_breaks(names: list[str], stored: list[str], entries: dict[str, TensorEntry]) -> bool:
+def _tie_breaks(names: list[str], stored: list[str], entries: dict[str, TensorEntry], *, redo: str) -> bool:
     """Whether a tied tensor whose names the store holds several of must be untied: transformers
     ties them only when the checkpoint's tensors are equal (here: the same dtype, shape and
     xxh3-64 of the bytes), and otherwise gives each name its own.
@@ -198,7 +199,7 @@ def _tie_breaks(names: list[str], stored: list[str], entries: dict[str, TensorEn
         raise ConfigError(
             f"the model ties {', '.join(names)} (e.g. tie_word_embeddings=True in its config), and the store holds "
             f"{' and '.join(stored)}; transformers ties them only if the checkpoint's tensors are equal, and this store "
-            f"(format 1) records no tensor checksums to tell. Convert the checkpoint again (gds-offload convert --force)"
+            f"(format 1) records no tensor checksums to tell. Convert the checkpoint again: {redo}"
         )
     if alike and len({e.xxh3_64 for e in es}) == 1:
         return False

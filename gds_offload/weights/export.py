@@ -28,6 +28,7 @@ import torch
 
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine, IOFuture
+from gds_offload.io.directory import missing_parent
 from gds_offload.io.factory import make_engine
 from gds_offload.io.integrity import checksum
 from gds_offload.units import parse_bytes
@@ -146,6 +147,9 @@ def export(
 def _check_out(target: Path, dirs: list[Path]) -> None:
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{target} is a file; give a new or empty directory to export into")
+    no_parent = missing_parent(target)
+    if no_parent is not None:
+        raise ConfigError(f"out={target}: {no_parent}")
     resolved = target.resolve()
     if any(resolved == d.resolve() for d in dirs):
         raise ConfigError(f"{target} is the store's own directory; export into a new or empty directory")

@@ -16,6 +16,7 @@ a kernel may round differently for another batch shape, so the reference uses th
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from gds_offload.io.directory import spill_dir_origin
 from gds_offload.units import checked_int
 from gds_offload.weights.kv import KVPool, KVShape, kv_shape
 from gds_offload.weights.options import KVPlacement
-from gds_offload.weights.planner import Generate, Plan, choose, estimate
+from gds_offload.weights.planner import Generate, Plan, as_plan, choose, estimate
 
 if TYPE_CHECKING:
     from gds_offload.weights.stream import StreamedModel
@@ -99,7 +100,7 @@ def generate_many(
     prompts: Sequence[Sequence[int] | torch.Tensor],
     *,
     max_new_tokens: int,
-    plan: Plan | None = None,
+    plan: Plan | str | os.PathLike[str] | None = None,
     micro_batch: int | None = None,
     per_load: int | None = None,
     kv: str | KVPlacement | None = None,
@@ -115,8 +116,8 @@ def generate_many(
     Args:
         lm: a streamed Hugging Face causal LM.
         prompts: token ids, one sequence per prompt, of any lengths.
-        plan: the shape to run (:func:`~gds_offload.weights.planner.plan`; default ``lm.plan``, the one
-            ``load_streamed`` applied): its micro-batch size, micro-batches per load, KV placement and
+        plan: the shape to run (:func:`~gds_offload.weights.planner.plan`, or the path of its JSON file:
+            ``gds-offload plan --out``; default ``lm.plan``, the one ``load_streamed`` applied): its micro-batch size, micro-batches per load, KV placement and
             prefill chunk, unless given here.
         micro_batch: prompts per micro-batch (``b``; default 8); per_load: micro-batches per weight load (``n``; default 4).
         prefill_chunk: prefill this many positions per forward (Hugging Face's ``prefill_chunk_size``:
@@ -143,7 +144,7 @@ def generate_many(
     for bad in ("input_ids", "attention_mask", "past_key_values", "cache", "max_length", "prefill_chunk_size"):
         if bad in generate_kwargs:
             raise ConfigError(f"generate_many sets {bad} itself; pass prompts, max_new_tokens and prefill_chunk instead")
-    chosen = plan if plan is not None else lm.plan
+    chosen = as_plan(plan) if plan is not None else lm.plan
     # What the caller set by hand: a re-plan after a drift keeps it (Drift).
     fixed = Fixed(micro_batch is not None or per_load is not None or prefill_chunk is not None, None if kv is None else _placement(kv))
     if chosen is not None:

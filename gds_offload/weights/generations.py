@@ -196,7 +196,7 @@ class Generations:
         s = step or self.current
         if s.generation is None:
             return StoreFiles(self.store_dirs, self.manifest)
-        return StoreFiles([self.root], self._generation_manifest(s.generation))
+        return StoreFiles([self.root], self._generation_manifest(s.generation), converted=False)
 
     def group_xxh3(self, group: GroupEntry) -> int:
         """What ``group``'s bytes hash to in the current step."""

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.io.layout import ALIGN, align_up
+from gds_offload.weights.advice import no_store_advice, reconvert_command
 from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.store_config import (
     VOLATILE_CONFIG_KEYS,
@@ -198,9 +199,12 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise StoreFormatError(f"{where} is not a gds_offload weight store manifest (format {d.get('format') if isinstance(d, dict) else None!r})")
         if d.get("format_version") not in READABLE_VERSIONS:
+            source = d.get("source")
+            store = Path(where).parent if Path(where).name == MANIFEST_NAME else "STORE"
+            again = reconvert_command([store], source.get("checkpoint") if isinstance(source, dict) else None)
             raise StoreFormatError(
                 f"{where} has format version {d.get('format_version')!r}; this gds_offload reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}. Convert the checkpoint again with this version (gds-offload convert CHECKPOINT OUT)"
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Convert the checkpoint again with this version: {again}"
             )
         m = _Parser(where).manifest(d)
         m.validate(where=where)
@@ -398,8 +402,7 @@ def read_manifest(store_dir: str | os.PathLike[str]) -> Manifest:
         raw = read_file(dfd, d, MANIFEST_NAME, limit=MANIFEST_LIMIT)
         if raw is None:
             raise StoreFormatError(
-                f"{store_dir} holds no {MANIFEST_NAME}: not a weight store, or its conversion did not finish. "
-                f"Run `gds-offload convert CHECKPOINT {store_dir}`"
+                f"{store_dir} holds no {MANIFEST_NAME}: not a weight store, or its conversion did not finish; {no_store_advice(d)}"
             )
         try:
             text = raw.decode()

@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 from gds_offload.errors import ConfigError
+from gds_offload.io.directory import missing_parent
 from gds_offload.weights.manifest import MANIFEST_NAME
 from gds_offload.weights.store_config import CONFIG_NAME, GENERATION_CONFIG_NAME
 from gds_offload.weights.trust import create_file, make_dirs, open_dir
@@ -74,6 +75,9 @@ def prepare_dirs(dirs: list[Path], *, checkpoint: Path, overwrite: bool) -> list
                 f"copy of the weights beside them; pass another directory for the store"
             )
         if not os.path.lexists(d):
+            no_parent = missing_parent(d)
+            if no_parent is not None:
+                raise ConfigError(f"the store {d}: {no_parent}")
             present.append([])
             continue
         if not d.is_dir():

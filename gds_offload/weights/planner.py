@@ -51,7 +51,7 @@ from gds_offload.weights.manifest import read_manifest
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from
 
-__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "at_least", "check_feasible", "check_floor", "choose", "estimate", "variant"]
+__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "as_plan", "at_least", "check_feasible", "check_floor", "choose", "estimate", "variant"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,28 @@ class Plan:
         curve = tuple((str(n), int(s), float(t), bool(f)) for n, s, t, f in d.get("curve", []))
         return cls(workload, d["memory_nbytes"], profile_from(d["profile"]), est(d["predicted"]), alternatives, curve)
 
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """The plan ``gds-offload plan --out PATH`` wrote (or ``json.dump(plan.as_dict(), f)``).
+
+        Raises:
+            ConfigError: no such file, or one that is not such a plan (naming what is wrong).
+        """
+        label = f"plan={os.fspath(path)!r}"
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{label} does not exist; write one with `gds-offload plan STORE --memory SIZE --out {os.fspath(path)}`") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{label} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        try:
+            doc = json.loads(text)
+            return cls.from_dict(doc)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{label} is not JSON ({exc}); pass the file gds-offload plan --out wrote") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{label} is not a plan gds-offload plan --out wrote ({type(exc).__name__}: {exc})") from None
+
     def describe(self) -> str:
         """One line: the choice, its prediction and its bound."""
         c, e = self.choice, self.predicted
@@ -112,6 +134,20 @@ class Plan:
             f"{c.slots} slots, {variant(self.workload, c)}{chunk}: {e.tokens_per_s:.1f} tok/s predicted, peak "
             f"{format_bytes(e.peak_nbytes)} of {format_bytes(self.memory_nbytes)}, {e.bound}-bound"
         )
+
+
+def as_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
+    """``plan`` as a :class:`Plan`: one given, or the file :meth:`Plan.load` reads; ``None`` stays ``None``.
+
+    Raises:
+        ConfigError: a file that is not a plan, or a value that is neither.
+    """
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    raise ConfigError(f"plan={plan!r} ({type(plan).__name__}) is not a plan; pass a Plan, or the path of the JSON file "
+                      f"gds-offload plan --out wrote")
 
 
 def _jsonable(x: Any) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,9 @@ from gds_offload.errors import ConfigError
 from gds_offload.weights.convert import convert
 from gds_offload.weights.errors import StoreFormatError
 from gds_offload.weights.manifest import read_manifest
-from gds_offload.weights.measure import plan
-from gds_offload.weights.planner import Generate, Plan
+from gds_offload.weights.measure import plan as measure_and_plan
+from gds_offload.weights.planner import Generate, Plan, as_plan
+from gds_offload.weights.progress import ProgressArg, reporter
 from gds_offload.weights.skeleton import check_empty_model, empty_model
 from gds_offload.weights.stream import load_streamed
 
@@ -58,11 +58,12 @@ def from_pretrained(
     checkpoint: str | os.PathLike[str],
     *,
     store: str | os.PathLike[str],
-    memory: int | str,
+    memory: int | str | None = None,
     workload: Generate | None = None,
     device: str = "cpu",
     engine: str = "auto",
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressArg = True,
+    plan: Plan | str | os.PathLike[str] | None = None,
     **load_kwargs: Any,
 ) -> Any:
     """Convert ``checkpoint`` into ``store`` if needed, plan ``workload`` under ``memory`` and return
@@ -72,28 +73,41 @@ def from_pretrained(
         checkpoint: a safetensors checkpoint directory with its ``config.json``.
         store: where the weight store is (made when missing or stale: :func:`stale_reason`).
         memory: what the run may use (``"1.2GiB"``); without ``workload``, the weights' share of it
-            (``load_streamed(max_memory=)``).
+            (``load_streamed(max_memory=)``). Needed unless ``plan`` is given.
         workload: what will run (:class:`~gds_offload.weights.planner.Generate`); ``None``: no plan.
+        progress: ``True`` (default): a bar per phase (convert, measure, load) on a terminal, else a
+            line per phase on stderr; ``False``: nothing; a ``logging.Logger`` or a callable taking a
+            line: every phase and measuring step to it (:mod:`~gds_offload.weights.progress`).
+        plan: a plan made before (a :class:`~gds_offload.weights.planner.Plan`, or the JSON file
+            ``gds-offload plan --out`` wrote), applied without measuring again; not with ``workload``.
         load_kwargs: more ``load_streamed`` arguments (``verify``, ``num_threads``, ``tier``;
             ``converted=True`` or ``train_dir`` for a trained store).
 
     Raises:
         ConfigError: no ``config.json`` in ``checkpoint``; Accelerate not installed; a plan that
-            cannot fit ``memory``; what ``convert``, ``plan`` and ``load_streamed`` raise.
+            cannot fit ``memory``; neither ``memory`` nor ``plan``, or ``plan`` with ``workload``;
+            what ``convert``, ``plan`` and ``load_streamed`` raise.
     """
+    say = reporter(progress, name="from_pretrained")
     ckpt, out = Path(checkpoint), Path(store)
     if not (ckpt / "config.json").is_file():
         raise ConfigError(f"{ckpt} has no config.json: from_pretrained builds the model from it; pass a Hugging Face checkpoint directory")
     check_empty_model()
+    chosen = as_plan(plan)
+    if chosen is not None and workload is not None:
+        raise ConfigError("from_pretrained got plan= and workload=: a plan was made for its own workload; pass one or the other")
+    if chosen is None and memory is None:
+        raise ConfigError("from_pretrained needs memory= (what the run may use, e.g. '8GiB'), or plan= (a plan gds-offload plan --out wrote)")
     why = stale_reason(ckpt, out)
     if why is not None:
-        if progress is not None:
-            progress(f"converting {ckpt} into {out} ({why})")
-        convert(ckpt, out, overwrite=why != "no store yet")
-    chosen: Plan | None = None
+        with say.phase(f"converting {ckpt} into {out} ({why})") as phase:
+            convert(ckpt, out, overwrite=why != "no store yet", progress=phase.bytes)
     if workload is not None:
-        chosen = plan(out, workload, memory=memory, device=device, engine=engine, progress=progress)
+        assert memory is not None, "a workload without a plan was checked to come with memory="
+        with say.phase(f"measuring the model in {out} on {device} to plan {workload}") as phase:
+            chosen = measure_and_plan(out, workload, memory=memory, device=device, engine=engine, progress=phase.step)
     skeleton = empty_model(transformers.AutoConfig.from_pretrained(out))
-    if chosen is not None:
-        return load_streamed(skeleton, out, device=device, engine=engine, plan=chosen, **load_kwargs)
-    return load_streamed(skeleton, out, device=device, engine=engine, max_memory=memory, **load_kwargs)
+    with say.phase(f"loading {out} on {device}"):
+        if chosen is not None:
+            return load_streamed(skeleton, out, device=device, engine=engine, plan=chosen, **load_kwargs)
+        return load_streamed(skeleton, out, device=device, engine=engine, max_memory=memory, **load_kwargs)

@@ -21,6 +21,7 @@ from gds_offload.io.fds import close_fd
 from gds_offload.io.integrity import checksum
 from gds_offload.io.layout import ALIGN, File, Slot, align_up
 from gds_offload.io.pages import map_anonymous
+from gds_offload.weights.advice import reconvert_command
 from gds_offload.weights.errors import StoreCorruptError, StoreFormatError
 from gds_offload.weights.manifest import GroupEntry, Manifest
 from gds_offload.weights.trust import check_name, open_dir, open_file
@@ -67,8 +68,11 @@ class StoreFiles:
         StoreTrustError: a directory or file another user could have changed, a symlink, or not a regular file.
     """
 
-    def __init__(self, dirs: list[Path], manifest: Manifest, *, direct: bool = True) -> None:
+    def __init__(self, dirs: list[Path], manifest: Manifest, *, direct: bool = True, converted: bool = True) -> None:
         self.files: list[File] = []
+        #: What a corrupt group's error suggests: converting the checkpoint into these directories
+        #: again (``converted``), or nothing (a trained generation, which no conversion makes).
+        self.redo = reconvert_command(dirs, manifest.source.get("checkpoint")) if converted else ""
         dir_fds: dict[int, int] = {}
         seen: dict[tuple[int, int], Path] = {}
         try:
@@ -160,5 +164,5 @@ def corrupt_error(group: GroupEntry, files: StoreFiles, why: str) -> StoreCorrup
     f = files.files[group.file]
     return StoreCorruptError(
         f"{group.describe()} is corrupt: {why}. File {f.path}, offset {group.offset}, {group.nbytes} bytes. "
-        f"Convert the checkpoint again (gds-offload convert CHECKPOINT OUT), then check the drive"
+        + (f"Check the drive, then convert the checkpoint again: {files.redo}" if files.redo else "Check the drive")
     )

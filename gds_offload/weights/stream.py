@@ -69,6 +69,7 @@ from gds_offload.io.release import release_when_collected
 from gds_offload.node.choice import choose_engine
 from gds_offload.weights.accumulate import accumulate
 from gds_offload.weights.adapters import unwrap
+from gds_offload.weights.advice import reconvert_command
 from gds_offload.weights.backward import SavedWeights
 from gds_offload.weights.bind import Binding, bind, rebuild_meta_buffers, view_of
 from gds_offload.weights.budget import plan_residency
@@ -80,7 +81,7 @@ from gds_offload.weights.layer_hooks import LayerHooks
 from gds_offload.weights.load import load_resident, move_free_buffers, read_arena
 from gds_offload.weights.manifest import TENSOR_ALIGN, GroupEntry, Manifest, check_config, read_manifest
 from gds_offload.weights.options import StreamOptions, Tier
-from gds_offload.weights.planner import Plan
+from gds_offload.weights.planner import Plan, as_plan
 from gds_offload.weights.prefetch import Prefetch
 from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
@@ -110,7 +111,7 @@ def load_streamed(
     verify: bool = False,
     engine: str = "auto",
     num_threads: int | None = None,
-    plan: Plan | None = None,
+    plan: Plan | str | os.PathLike[str] | None = None,
     converted: bool = False,
     train_dir: str | os.PathLike[str] | None = None,
 ) -> StreamedModel:
@@ -138,8 +139,9 @@ def load_streamed(
         engine: the reads' engine: ``auto`` (CPU: posix; GPU: gds where usable, else KvikIO
             compat, else posix), ``gds``, ``compat``, ``posix``.
         num_threads: engine threads doing the reads (``None``: 4 on the CPU, the engine's default on a GPU).
-        plan: a :class:`~gds_offload.weights.planner.Plan` (:func:`~gds_offload.weights.planner.plan`): its
-            ``slots`` and ``resident_layers`` (an explicit argument that differs is refused), kept for
+        plan: a :class:`~gds_offload.weights.planner.Plan` (:func:`~gds_offload.weights.planner.plan`), or
+            the path of the JSON file ``gds-offload plan --out`` wrote: its ``slots`` and
+            ``resident_layers`` (an explicit argument that differs is refused), kept for
             :meth:`StreamedModel.generate_many`.
         converted: stream the converted weights even where ``STORE/train`` holds a training step.
         train_dir: the directory a :class:`~gds_offload.weights.trainer.StreamedTrainer` wrote
@@ -157,6 +159,7 @@ def load_streamed(
             a group read at load fails its checksum.
         GDSUnavailableError: ``engine="gds"`` where GPUDirect Storage does not work.
     """
+    plan = as_plan(plan)
     if plan is not None:
         slots, resident_layers = plan.ring_shape(slots=slots, resident_layers=resident_layers, max_memory=max_memory)
     options = StreamOptions.from_kwargs(device=device, tier=tier, slots=2 if slots is None else slots, resident_layers=resident_layers,
@@ -189,7 +192,8 @@ class StreamedModel(LayerHooks):
         if dev.type == "cuda" and manifest.tensor_align < TENSOR_ALIGN:
             warnings.warn(f"{first}: tensors start at multiples of {manifest.tensor_align} bytes (a store written before {TENSOR_ALIGN}); "
                           f"cuBLAS may pick other kernels for them than for the resident model's, so outputs may differ in the last "
-                          f"bits. Convert it again (gds-offload convert --force) for {TENSOR_ALIGN}-byte offsets", stacklevel=3)  # fmt: skip
+                          f"bits. Convert it again for {TENSOR_ALIGN}-byte offsets: "
+                          f"{reconvert_command(store if isinstance(store, (list, tuple)) else [first], manifest.source.get('checkpoint'))}", stacklevel=3)  # fmt: skip
         self._dirs = resolve_dirs(store, manifest)
         gens, step = _training_step(manifest, self._dirs, o)
         reading = _as_of(manifest, step)  # the groups with the checksums of the step read

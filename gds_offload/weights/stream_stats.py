@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gds_offload.units import format_bytes
+
 __all__ = ["StreamStats"]
 
 
@@ -66,3 +68,25 @@ class StreamStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def __str__(self) -> str:
+        """A few lines with units (``print(lm.stats())``); ``repr`` and the fields stay for programs."""
+        direct = ", O_DIRECT" if self.direct else ""
+        lines = [f"gds_offload weights: {len(self.streamed_layers)} layers streamed, {len(self.resident_layers)} resident, on "
+                 f"{self.device}; tier {self.tier}, engine {self.engine}{direct}; ring of {self.slots} slot"
+                 f"{'' if self.slots == 1 else 's'} x {format_bytes(self.slot_nbytes)} ({self.ring})"]
+        host = f", {format_bytes(self.host_nbytes)} pinned on the host" if self.host_nbytes else ""
+        lines.append(f"  memory: {format_bytes(self.resident_nbytes)} resident{host}, "
+                     f"{format_bytes(self.slots * self.slot_nbytes)} in the ring")
+        lines.append(f"  reads: {format_bytes(self.bytes_read)} in {sum(self.reads)} fills for {sum(self.loads)} layer loads; "
+                     f"{self.reused} reused, {self.misses} missed ({self.wasted_reads} reads wasted); waited "
+                     f"{self.stall_s:.2f} s for them, computed {sum(self.compute_s):.2f} s")
+        if any(self.backward_reads) or any(self.backward_copies) or any(self.backward_held):
+            lines.append(f"  backward: {sum(self.backward_reads)} layers read again, {sum(self.backward_copies)} copied "
+                         f"out of a slot, {sum(self.backward_held)} used where they lay")
+        if self.teams:
+            lines.append(f"  layer-major: {self.teams} waves of {self.team_micro_batches} micro-batches in all; "
+                         f"{len(self.replans)} re-plan{'' if len(self.replans) == 1 else 's'}")
+        if self.kv_bytes_read or self.kv_bytes_written:
+            lines.append(f"  KV cache on the drive: {format_bytes(self.kv_bytes_read)} read, {format_bytes(self.kv_bytes_written)} written")
+        return "\n".join(lines)

@@ -63,6 +63,7 @@ from torch import nn
 
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine
+from gds_offload.io.directory import missing_parent
 from gds_offload.io.factory import make_engine
 from gds_offload.weights.accumulate import Loss
 from gds_offload.weights.adapters import unwrap
@@ -112,6 +113,9 @@ class StreamedTrainer:
         if not callable(optimizer):
             raise ConfigError(f"optimizer={optimizer!r}: give a callable building a torch.optim.Optimizer from a list of parameters, "
                               "e.g. functools.partial(torch.optim.AdamW, lr=1e-4)")  # fmt: skip
+        no_parent = None if state_dir is None else missing_parent(Path(state_dir))
+        if no_parent is not None:
+            raise ConfigError(f"state_dir={str(state_dir)!r}: {no_parent}")
         self._lm, self._base, self._factory = lm, base, optimizer
         manifest = lm.manifest
         stats = lm.stats()

@@ -23,6 +23,7 @@ import os
 import stat
 from pathlib import Path
 
+from gds_offload.weights.advice import no_store_advice
 from gds_offload.weights.errors import StoreFormatError, StoreTrustError
 
 __all__ = ["SHARED_WRITE", "check_name", "create_file", "make_dirs", "open_dir", "open_file", "read_file", "refusal"]
@@ -81,7 +82,7 @@ def open_dir(d: Path) -> int:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError) as exc:
         what = "does not exist" if isinstance(exc, FileNotFoundError) else "is not a directory"
-        raise StoreFormatError(f"{d} {what}: no weight store there. Run `gds-offload convert CHECKPOINT {d}`") from None
+        raise StoreFormatError(f"{d} {what}: no weight store there; {no_store_advice(Path(d))}") from None
     except OSError as exc:
         raise StoreFormatError(f"{d} cannot be opened ({exc.strerror or exc}); fix its permissions or pass another store") from None
     why = refusal(os.fstat(fd), d)

@@ -65,6 +65,23 @@ class Plan:
     def offloaded_units(self) -> set[int]:
         return {d.unit for d in self.decisions if d.action == "offload"}
 
+    def __str__(self) -> str:
+        """A few lines with units (``print(off.plan())``); the fields, and ``rich.print`` for the whole table."""
+        off = [d for d in self.decisions if d.action == "offload"]
+        kept = [d for d in self.decisions if d.action == "keep"]
+        shown = ", ".join(d.name for d in kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+        lines = [f"gds_offload plan ({self.policy}): {self.reason or 'no reason given'}",
+                 f"  offload {len(off)} of {len(self.decisions)} units ({format_bytes(sum(d.bytes for d in off))} a step); "
+                 f"keep {len(kept)} ({format_bytes(sum(d.bytes for d in kept))}){': ' + shown if kept else ''}"]
+        if self.predicted is not None:
+            p = self.predicted
+            lines.append(f"  measured write {self.write_bps / 1e9:.2f} GB/s, read {self.read_bps / 1e9:.2f} GB/s; predicted "
+                         f"stall {p.stall_s * 1e3:.1f} ms of a {p.step_s * 1e3:.0f} ms step, peak {format_bytes(p.peak_bytes)}")
+        if self.events:
+            lines.append(f"  last of {len(self.events)} re-plans: {self.events[-1]}")
+        lines.append("  per unit: rich.print(off.plan()), or its decisions")
+        return "\n".join(lines)
+
     def __rich__(self) -> object:
         from rich.table import Table
 

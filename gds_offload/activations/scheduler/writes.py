@@ -40,6 +40,7 @@ class WritePath(SchedulerState):
         unit, layer = fwd.units[entry.unit], self._layer_stat(fwd.units[entry.unit].name)
         if entry.nbytes < self.config.min_bytes:
             fwd.fixed_bytes += entry.nbytes
+            self._stats.bytes_small += entry.nbytes
         else:
             unit.eligible_bytes += entry.nbytes
         if entry.nbytes < self.config.min_bytes or not self.policy.offload(entry.unit):

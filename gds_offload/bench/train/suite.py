@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gds_offload.bench.docs.plot import plot_results
 from gds_offload.bench.docs.report import current_commit
 from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
@@ -37,6 +38,7 @@ __all__ = [
     "select_modes",
     "summarize",
     "unexplained_differences",
+    "plot_modes",
 ]
 
 T = TypeVar("T")
@@ -253,3 +255,18 @@ def results_doc(
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     return doc
+
+
+def plot_modes(rows: list[Any], summary: dict[str, Any], machine: dict[str, Any], base: Any, out: str, *, threads: str = "") -> str | None:
+    """Draw ``rows`` (:func:`combine_rounds`) with their ratios to keep (``summary``) into the PNG
+    ``out``, titled by the model and ``machine`` (a results document's); ``None``, or why there is
+    no plot (matplotlib missing)."""
+    gpu = f", {machine['gpus'][0]}" if machine["gpus"] else ""
+    title = (f"{base.model} L{base.layers} h{base.hidden} seq{base.seq} batch{base.batch} on {base.device} "
+             f"({machine['cpu_usable']} CPUs{', ' + threads if threads else ''}{gpu}; {machine['filesystem']})")
+    ratios = {m: {k: v for k, v in row.items() if k in ("step_ratio", "memory_ratio", "paired_ratio")} for m, row in summary["modes"].items()}
+    try:  # matplotlib is optional: plot_results imports it
+        plot_results([r.as_dict() | ratios[r.mode] for r in rows], out, title=title)
+    except ImportError as exc:
+        return str(exc)
+    return None
