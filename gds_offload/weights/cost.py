@@ -107,7 +107,8 @@ def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
     # Each member suspended at a hand-over keeps generate's fp32 copy of its last logits and the
     # processed scores (a new tensor whenever a logits processor runs: min_new_tokens, temperature,
     # top-k, ...); the member computing its head holds its logits as the model returns them too.
-    return int(weights + max(prefill, decode) + (2 * seqs + b) * p.logits_nbytes)
+    members = math.ceil(seqs / b)  # threads alive at once, each with its libraries' caches
+    return int(weights + max(prefill, decode) + (2 * seqs + b) * p.logits_nbytes + (members - 1) * p.member_nbytes)
 
 
 def _kv_nbytes(p: Profile, c: Choice, seqs: int, positions: int, new: int) -> int:

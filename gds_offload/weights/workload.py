@@ -135,6 +135,9 @@ class Profile:
     #: One micro-batch's peak inside a layer per token of a prefill chunk, on the longest cache a
     #: chunk attends to (the last chunk's): it grows with the cache, unlike a whole prompt's per token.
     prefill_chunked_transient_nbytes: float = 0.0
+    #: What each micro-batch of a layer-major team keeps beyond its tensors while it waits at a
+    #: hand-over (per-thread caches of the math libraries), measured with four threads alive.
+    member_nbytes: int = 0
     #: Fine-tuning (measured with LoRA adapters): one layer's forward with grad and its backward, against tokens.
     train_forward: Fit = Fit(0.0, 0.0)
     train_backward: Fit = Fit(0.0, 0.0)
