@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers.disks import real_disk_base
 from helpers.gates import ENGINE_MODES, ENGINES
+from helpers.skips import summary
 
 from gds_offload.activations.spill.store import SpillStore
 from gds_offload.io import make_engine
@@ -46,6 +47,25 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _STDERR_FD = 2
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """Say what the skips lost, by why (helpers/skips.py); strict: a set-up skip fails the run."""
+    reasons = []
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(rep, "longrepr", None)
+        reasons.append(str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr))
+    lines, setup = summary(reasons)
+    for line in lines:
+        terminalreporter.write_line(line)
+    if setup and os.environ.get("GDS_OFFLOAD_STRICT_SKIPS") == "1":
+        terminalreporter.write_line(f"{setup} tests skipped for set-up reasons (GDS_OFFLOAD_STRICT_SKIPS=1): install what they name")
+        config._gds_offload_strict_failed = True  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if getattr(session.config, "_gds_offload_strict_failed", False) and exitstatus == 0:
+        session.exitstatus = 1
 
 
 #: The slowest test here takes a few minutes; one still running after this is stuck.
