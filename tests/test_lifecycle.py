@@ -104,7 +104,7 @@ def test_threads_each_run_forward_and_backward(engine: str, tmp_path) -> None:
         def run(i: int) -> None:
             start.wait()
             for _ in range(5):
-                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], param_grads(model, xs[i]))))
+                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], param_grads(model, xs[i]), strict=True)))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
         for t in threads:
@@ -150,13 +150,13 @@ for _ in range(3):
         code = 1
         try:
             warnings.simplefilter("ignore")  # KvikIO -> posix in the child is announced, and expected
-            ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
+            ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x), strict=True)) for _ in range(10))
             st = settled(off)
             code = 0 if ok and st.bytes_offloaded > 0 and off.engine.name in ("posix", "host") else 2
         finally:
             os._exit(code)
     pids.append(pid)
-ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
+ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x), strict=True)) for _ in range(10))
 codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
 off.detach()
 print("parent", ok, "children", codes)
