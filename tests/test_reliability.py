@@ -5,6 +5,7 @@ wrapper (:mod:`gds_offload.io.faults`), which fails the Nth transfer determinist
 """
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import shutil
@@ -493,23 +494,58 @@ def test_ten_thousand_small_tensors_per_step(tmp_path) -> None:
         assert off.store.allocated_bytes() == 0
 
 
+class _Scale(nn.Module):
+    """``(x * w).sum()``: saves ``x`` whole, one storage, for w's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def test_a_tensor_across_the_2_and_4_gib_offsets_of_a_sparse_spill_file(engine: str, spill_dir: Path, monkeypatch) -> None:
+    """File offsets past 31 and 32 bits in every CI run, with megabytes of memory and disk: the
+    spill file grows sparse (no fallocate, as on a filesystem without it), and slots the test
+    takes itself, never written, push each step's 12 MiB saved tensor across 2^31, then 2^32.
+    Backward reads every byte back from the drive (synchronized first): exact. Lengths past 32
+    bits need a tensor that large: :func:`test_one_huge_tensor` (``-m slow``)."""
+    import gds_offload.activations.spill.store as store_mod
+
+    def no_fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "no fallocate: the spill file grows sparse")
+
+    monkeypatch.setattr(store_mod.os, "posix_fallocate", no_fallocate)
+    torch.manual_seed(0)
+    x = torch.randn(3 << 20)  # 12 MiB
+    model = _Scale()
+    ref = train_step(model, x, loss_fn=lambda o: o)
+    with offload_everything(model, spill_dir, engine, layers=[]) as off:
+        store, slots, end = off.store, [], 0
+        allocate = store.allocate
+        monkeypatch.setattr(store, "allocate", lambda nbytes: slots.append(allocate(nbytes)) or slots[-1])
+        for boundary in (1 << 31, 1 << 32):
+            hole = allocate(boundary - (4 << 20) - end)  # [end, 4 MiB short of the boundary): first fit puts the tensor after it
+            end = hole.offset + hole.nbytes
+            before, slots[:] = off.stats(), []
+            assert_same(ref, train_step(model, x, loss_fn=lambda o: o, sync=off.synchronize))
+            st = settled(off)
+            assert len(slots) == 1 and slots[0].offset == boundary - (4 << 20) < boundary < slots[0].offset + slots[0].nbytes, slots
+            assert st.bytes_read - before.bytes_read == st.bytes_offloaded - before.bytes_offloaded == 12 << 20, st
+    assert os.listdir(spill_dir) == []
+
+
 @pytest.mark.slow
 def test_one_huge_tensor(tmp_path, request: pytest.FixtureRequest) -> None:
-    """A single saved tensor over 2 GiB (offsets and lengths past 32 bits). About 20 s and 7 GiB of RAM."""
+    """A single saved tensor over 2 GiB (offsets and lengths past 32 bits). About 20 s and 7 GiB of RAM.
+    Offsets alone run in every CI run: :func:`test_a_tensor_across_the_2_and_4_gib_offsets_of_a_sparse_spill_file`."""
     if "slow" not in (request.config.getoption("markexpr") or "") and not os.environ.get("GDS_OFFLOAD_SLOW"):
         pytest.skip("slow (2.25 GiB through the drive and back): run with -m slow or GDS_OFFLOAD_SLOW=1")
 
-    class Scale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.tensor(0.5))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return (x * self.w).sum()  # saves x (2.25 GiB) for w's gradient
-
     torch.manual_seed(0)
-    x = torch.randn((9 << 30) // 4 // 4, dtype=torch.float32)  # 2.25 GiB
-    model = Scale()
+    x = torch.randn((9 << 30) // 4 // 4, dtype=torch.float32)  # 2.25 GiB, saved whole for w's gradient
+    model = _Scale()
     ref = train_step(model, x, loss_fn=lambda o: o)
     with offload_everything(model, tmp_path, layers=[]) as off:
         assert_same(ref, train_step(model, x, loss_fn=lambda o: o))
