@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
+import peft  # noqa: E402  # in the test extra: a plain import, so a missing peft fails the file rather than skipping it
 from helpers.disks import real_disk_base  # noqa: E402
 
 import gds_offload  # noqa: E402
@@ -472,7 +473,6 @@ def test_backward_on_another_thread(stores: dict[str, tuple[Path, Path]], ids: t
 
 # ---- LoRA adapters (PEFT) on streamed layers: gds_offload.weights.adapters -------------------
 
-peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
