@@ -6,6 +6,8 @@ Fixtures:
         (posix; compat when KvikIO is usable; host).
     engine_and_store: ``(engine, store)`` for the current ``engine_modes`` value.
     engine: each drive engine that runs here (posix; compat where KvikIO is usable), by name.
+    timing: ``drive`` (synchronize before backward: every offloaded tensor is read back from
+        the drive) or ``natural`` (no forced timing); see :mod:`helpers.exact`.
     cuda_device: ``torch.device("cuda")``, or a skip naming the missing GPU.
     signal_handlers_are_restored (autouse): a test that leaves a SIGINT or SIGTERM
         handler changed fails, naming it, and the handler is put back, so the
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.disks import real_disk_base
+from helpers.exact import TIMINGS
 from helpers.gates import ENGINE_MODES, ENGINES
 from helpers.skips import summary
 
@@ -141,4 +144,10 @@ def cuda_device() -> torch.device:
 @pytest.fixture(params=ENGINES)
 def engine(request: pytest.FixtureRequest) -> str:
     """Each drive engine that runs here (posix; compat where KvikIO is usable)."""
+    return request.param
+
+
+@pytest.fixture(params=TIMINGS)
+def timing(request: pytest.FixtureRequest) -> str:
+    """``drive`` (synchronize before backward; bytes read back) or ``natural`` (no forced timing)."""
     return request.param

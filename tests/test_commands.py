@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.procs import alive, children, cmdline
+from helpers.procs import alive, children, cmdline, cpu_seconds
 
 from gds_offload.bench.train.demo_view import PAIRED_NOTE
 from gds_offload.cli import COMMANDS, main
@@ -40,15 +40,6 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU time ``pid`` has used, with that of the children it reaped; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
-
-
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
@@ -62,11 +53,11 @@ def _wait_until(proc: subprocess.Popen[str], done: Callable[[], object], what: s
     not the CPU time it needs, so the limits are not on wall time: the test fails when the
     command and its children have used ``cpu_s`` CPU-seconds (a loop), or when for ``idle_s``
     they used none and none was runnable (a hang)."""
-    start = used = _cpu_s(proc.pid)
+    start = used = cpu_seconds(proc.pid)
     moved = time.monotonic()
     while not done():
         family = [proc.pid, *children(proc.pid)]
-        now = sum(_cpu_s(p) for p in family)
+        now = sum(cpu_seconds(p) for p in family)
         if now != used or any(_running(p) for p in family):
             used, moved = now, time.monotonic()
         stuck = f"was idle for {idle_s:.0f} s" if time.monotonic() - moved > idle_s else ""
@@ -137,7 +128,7 @@ def test_termination_signal_stops_the_command_and_its_children(command: str, sig
     proc = _start(args, cwd)
     child = _wait_for_child(proc, marker)
     # Past its start (about a CPU-second), on an idle or a busy machine alike.
-    _wait_until(proc, lambda: _cpu_s(child) >= 1, "the child to run")
+    _wait_until(proc, lambda: cpu_seconds(child) >= 1, "the child to run")
     family = children(proc.pid)
     assert child in family
     proc.send_signal(signum)

@@ -31,10 +31,11 @@ def _train(model: torch.nn.Module, steps: int = 2) -> tuple[list[torch.Tensor], 
 
 
 def _assert_equal(ref: tuple[list[torch.Tensor], list[torch.Tensor]], got: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-    for a, b in zip(ref[0], got[0]):
+    assert len(ref[0]) == len(got[0]), f"{len(got[0])} losses, the reference has {len(ref[0])}"
+    for a, b in zip(ref[0], got[0], strict=True):
         assert torch.equal(a, b), (a, b)
     assert len(ref[1]) == len(got[1])
-    for i, (a, b) in enumerate(zip(ref[1], got[1])):
+    for i, (a, b) in enumerate(zip(ref[1], got[1], strict=True)):
         assert torch.equal(a, b), f"gradient {i} differs"
 
 
@@ -50,7 +51,7 @@ def test_shapes_params_and_tied_head() -> None:
 
 def test_same_seed_same_weights_and_batches() -> None:
     a, b = make_gpt(TINY, seed=3), make_gpt(TINY, seed=3)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(make_gpt(TINY, seed=4).tok.weight, a.tok.weight)
     assert torch.equal(synthetic_batch(TINY, 2, seed=5), synthetic_batch(TINY, 2, seed=5))
     assert not torch.equal(synthetic_batch(TINY, 2, seed=5), synthetic_batch(TINY, 2, seed=6))

@@ -502,7 +502,7 @@ def _train_gpt(
 def _reference(bf16: bool) -> tuple[Result, ...]:
     first, _ = _train_gpt(None, None, bf16=bf16)
     second, _ = _train_gpt(None, None, bf16=bf16)
-    for step, (a, b) in enumerate(zip(first, second)):
+    for step, (a, b) in enumerate(zip(first, second, strict=True)):
         try:
             assert_same(a, b)
         except AssertionError as exc:
@@ -521,7 +521,7 @@ def test_gpt_training_is_bit_identical(bf16: bool, mode: str, spill_path: Path, 
     _require(engine)
     ref = _reference(bf16)
     got, st = _train_gpt(spill_path, engine, bf16=bf16, verify=extra == "verify")
-    for step, (r, g) in enumerate(zip(ref, got)):
+    for step, (r, g) in enumerate(zip(ref, got, strict=True)):
         try:
             assert_same(r, g)
         except AssertionError as exc:

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -104,7 +103,7 @@ def test_threads_each_run_forward_and_backward(engine: str, tmp_path) -> None:
         def run(i: int) -> None:
             start.wait()
             for _ in range(5):
-                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], param_grads(model, xs[i]))))
+                got[i].append(all(torch.equal(a, b) for a, b in zip(ref[i], param_grads(model, xs[i]), strict=True)))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
         for t in threads:
@@ -150,13 +149,13 @@ for _ in range(3):
         code = 1
         try:
             warnings.simplefilter("ignore")  # KvikIO -> posix in the child is announced, and expected
-            ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
+            ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x), strict=True)) for _ in range(10))
             st = settled(off)
             code = 0 if ok and st.bytes_offloaded > 0 and off.engine.name in ("posix", "host") else 2
         finally:
             os._exit(code)
     pids.append(pid)
-ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x))) for _ in range(10))
+ok = all(all(torch.equal(a, b) for a, b in zip(ref, param_grads(model, x), strict=True)) for _ in range(10))
 codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
 off.detach()
 print("parent", ok, "children", codes)
@@ -179,40 +178,48 @@ def test_forked_children_get_their_own_store(engine: str, tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- partial and failed transfers
 class _ChunkFaults(PosixEngine):
-    """The posix engine with the OS call failing for one chunk and slow for another."""
+    """The posix engine on two threads, 4 KiB chunks: the chunk at ``held_at`` waits for
+    :attr:`release` before it writes, the one at ``fail_at`` fails (EIO), and :attr:`later_started`
+    is set when the chunk at ``later_at`` starts. Chunks run in order, so while the held chunk
+    keeps one thread, the failed chunk and then the later one run on the other: once the later
+    one has started, everything the failed chunk's task does is done."""
 
-    def __init__(self, fail_at: int, slow_at: int, delay_s: float) -> None:
-        super().__init__(num_threads=4, chunk_bytes=4096)
-        self.fail_at, self.slow_at, self.delay_s = fail_at, slow_at, delay_s
-        self.slow_done = threading.Event()
+    def __init__(self, held_at: int, fail_at: int, later_at: int) -> None:
+        super().__init__(num_threads=2, chunk_bytes=4096)
+        self.held_at, self.fail_at, self.later_at = held_at, fail_at, later_at
+        self.release, self.held_done, self.later_started = threading.Event(), threading.Event(), threading.Event()
 
     def _pwrite_all(self, fd: int, data: memoryview, offset: int) -> None:
         lo = offset  # the only slot of a fresh store starts at offset 0
         if lo == self.fail_at:
             raise OSError(errno.EIO, "injected EIO")
-        if lo == self.slow_at:
-            time.sleep(self.delay_s)
+        if lo == self.later_at:
+            self.later_started.set()
+        if lo == self.held_at:
+            assert self.release.wait(timeout=120), "the test never released the held chunk"
             super()._pwrite_all(fd, data, offset)
-            self.slow_done.set()
+            self.held_done.set()
             return
         super()._pwrite_all(fd, data, offset)
 
 
 def test_failed_chunk_completes_the_write_only_after_every_chunk(tmp_path) -> None:
-    """One chunk fails at once while another is still writing: the write's future stays
-    pending until the slow chunk ends, so its slot cannot be freed and reused under it."""
-    engine = _ChunkFaults(fail_at=4096, slow_at=0, delay_s=0.5)
+    """One chunk fails while another is still writing: the write's future stays pending until
+    the held chunk ends, so its slot cannot be freed and reused under it."""
+    engine = _ChunkFaults(held_at=0, fail_at=4096, later_at=2 * 4096)
     store = SpillStore([tmp_path])
     try:
         slot = store.allocate(3 * 4096)
         src = torch.full((3 * 4096,), 7, dtype=torch.uint8)
         fut = engine.write(src, slot)
-        time.sleep(0.2)
+        assert engine.later_started.wait(timeout=60), "the chunk after the failed one never started"
         assert not fut.done(), "the failed chunk completed the write while chunk 0 was in flight"
+        engine.release.set()
         with pytest.raises(OffloadError, match="injected EIO"):
-            fut.wait(5)
-        assert engine.slow_done.is_set()
+            fut.wait(60)
+        assert engine.held_done.is_set()
     finally:
+        engine.release.set()
         engine.close()
         store.close()
 

@@ -3,27 +3,36 @@
 Each test runs the same model (same init, same inputs, RNG reset before each step) once
 without the offloader and once with it, on each storage engine that runs here, with
 ``min_bytes=0`` and ``keep_last=0`` so that every saved activation really goes to storage.
+Tests that take ``timing`` run once in each of two timings (``between`` in helpers.models):
+``drive`` synchronizes between forward and backward, so every write has landed and backward
+reads every offloaded byte back from the drive (asserted: ``bytes_read`` is what was offloaded,
+once per backward, and nothing is served from memory), so a read path that loses or changes
+bytes fails them; ``natural`` forces nothing, as in real training (a tensor whose write is
+still in flight is served from memory).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.utils.checkpoint as cp
-from helpers.models import MLP, TinyGPT, assert_same, grads_of, make, offload_everything, settled, train_step
+from helpers.exact import assert_io
+from helpers.models import MLP, TinyGPT, assert_same, between, grads_of, make, offload_everything, settled, train_step
 from torch import nn
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "conv", "qkv"])
-def test_models_bit_identical(name: str, engine: str, tmp_path) -> None:
+def test_models_bit_identical(name: str, engine: str, timing: str, tmp_path) -> None:
     model, inputs = make(name)
     ref = [train_step(model, inputs, seed=s) for s in (1, 2)]
     model, inputs = make(name)
     with offload_everything(model, tmp_path, engine) as off:
-        got = [train_step(model, inputs, seed=s) for s in (1, 2)]
+        got = [train_step(model, inputs, seed=s, sync=between(off, timing)) for s in (1, 2)]
         st = settled(off)
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         assert_same(r, g)
-    assert st.bytes_offloaded > 0 and st.bytes_read + st.bytes_forwarded > 0, st
+    assert_io(st, timing, backwards=1)
 
 
 def test_gpt_dropout_really_random(tmp_path) -> None:
@@ -45,88 +54,95 @@ class Checkpointed(nn.Module):
         return self.mlp.head(x)
 
 
-def test_checkpoint_regions(engine: str, tmp_path) -> None:
+def test_checkpoint_regions(engine: str, timing: str, tmp_path) -> None:
     torch.manual_seed(0)
     model, x = Checkpointed(), torch.randn(64, 128)
     ref = train_step(model, x)
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, train_step(model, x))
-        assert settled(off).bytes_offloaded > 0
+        assert_same(ref, train_step(model, x, sync=between(off, timing)))
+        assert_io(settled(off), timing, backwards=1)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_bf16_autocast(name: str, engine: str, tmp_path) -> None:
+def test_bf16_autocast(name: str, engine: str, timing: str, tmp_path) -> None:
     model, inputs = make(name)
 
-    def step() -> object:
+    def step(sync: Callable[[], None] = lambda: None) -> object:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(*inputs)
             loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        sync()
         loss.backward()
         return grads_of(model, loss)
 
     ref = step()
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, step())
-        assert_same(ref, step())
-        assert settled(off).bytes_offloaded > 0
+        assert_same(ref, step(between(off, timing)))
+        assert_same(ref, step(between(off, timing)))
+        assert_io(settled(off), timing, backwards=1)
 
 
-def test_grad_accumulation_backward_out_of_order(engine: str, tmp_path) -> None:
+def test_grad_accumulation_backward_out_of_order(engine: str, timing: str, tmp_path) -> None:
     """Four micro-batches: all forwards first, then backwards in another order (3, 0, 2, 1)."""
     torch.manual_seed(0)
     model = MLP(depth=3)
     xs = [torch.randn(32, 128) for _ in range(4)]
 
-    def step() -> object:
+    def step(sync: Callable[[], None] = lambda: None) -> object:
         model.zero_grad(set_to_none=True)
         losses = [model(x).pow(2).mean() for x in xs]
+        sync()
         for i in (3, 0, 2, 1):
             losses[i].backward()
         return grads_of(model, sum(ls.detach() for ls in losses))
 
     ref = step()
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, step())
-        assert_same(ref, step())
-        st = settled(off)
-        assert st.bytes_offloaded > 0 and off.store.allocated_bytes() == 0
+        assert_same(ref, step(between(off, timing)))
+        assert_same(ref, step(between(off, timing)))
+        assert_io(settled(off), timing, backwards=1)
+        assert off.store.allocated_bytes() == 0
 
 
-def test_forward_twice_in_one_step(engine: str, tmp_path) -> None:
+def test_forward_twice_in_one_step(engine: str, timing: str, tmp_path) -> None:
     model, (idx,) = make("gpt")
     other = torch.randint(0, 256, idx.shape)
 
-    def step() -> object:
+    def step(sync: Callable[[], None] = lambda: None) -> object:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         loss = model(idx) + 0.5 * model(other)
+        sync()
         loss.backward()
         return grads_of(model, loss)
 
     ref = step()
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, step())
-        assert settled(off).steps == 2  # two forwards
+        assert_same(ref, step(between(off, timing)))
+        st = settled(off)
+    assert st.steps == 2  # two forwards
+    assert_io(st, timing, backwards=1)
 
 
-def test_retain_graph_second_backward(engine: str, tmp_path) -> None:
+def test_retain_graph_second_backward(engine: str, timing: str, tmp_path) -> None:
+    """Each backward through the retained graph reads its tensors back again (``drive``: twice)."""
     model, inputs = make("gpt")
 
-    def step() -> object:
+    def step(sync: Callable[[], None] = lambda: None) -> object:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(7)
         loss = model(*inputs)
+        sync()
         loss.backward(retain_graph=True)
         loss.backward()
         return grads_of(model, loss)
 
     ref = step()
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, step())
-        assert settled(off).bytes_offloaded > 0
+        assert_same(ref, step(between(off, timing)))
+        assert_io(settled(off), timing, backwards=2)
     assert off.store.allocated_bytes() == 0
 
 
@@ -162,13 +178,13 @@ def test_paused_steps_are_plain_and_exact(engine: str, tmp_path) -> None:
         assert off.store.allocated_bytes() == 0
 
 
-def test_eval_mode(engine: str, tmp_path) -> None:
+def test_eval_mode(engine: str, timing: str, tmp_path) -> None:
     model, inputs = make("gpt")
     model.eval()
     ref = train_step(model, inputs)
     with offload_everything(model, tmp_path, engine) as off:
-        assert_same(ref, train_step(model, inputs))
-        assert settled(off).bytes_offloaded > 0
+        assert_same(ref, train_step(model, inputs, sync=between(off, timing)))
+        assert_io(settled(off), timing, backwards=1)
 
 
 def test_detach_then_attach_again(engine: str, tmp_path) -> None:
@@ -227,7 +243,7 @@ def test_detach_between_two_backwards_of_a_retained_graph(engine: str, tmp_path)
     assert_same(ref, run(lambda: offload_everything(model, tmp_path, engine)))
 
 
-def test_hf_gpt2_bit_identical(engine: str, tmp_path, monkeypatch) -> None:
+def test_hf_gpt2_bit_identical(engine: str, timing: str, tmp_path, monkeypatch) -> None:
     """A real Hugging Face model class built from a config (nothing downloaded)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
@@ -236,18 +252,19 @@ def test_hf_gpt2_bit_identical(engine: str, tmp_path, monkeypatch) -> None:
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 128, (4, 32))
 
-    def step() -> object:
+    def step(sync: Callable[[], None] = lambda: None) -> object:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
         loss = model(input_ids=ids, labels=ids).loss
+        sync()
         loss.backward()
         return grads_of(model, loss)
 
     ref = step()
     with offload_everything(model, tmp_path, engine) as off:
         assert off.layer_names == ["transformer.h.0", "transformer.h.1"]
-        assert_same(ref, step())
-        assert settled(off).bytes_offloaded > 0
+        assert_same(ref, step(between(off, timing)))
+        assert_io(settled(off), timing, backwards=1)
 
 
 def test_tinygpt_tied_head_shares_grad(tmp_path) -> None:

@@ -137,9 +137,9 @@ def test_every_policy_is_exact(gpt, spill_dir, policy) -> None:
     with gds_offload.attach(twin, path=spill_dir, mode="posix", min_bytes=0, **kw) as off:
         got = [_step(twin, batch) for _ in range(3)]
         assert off.stats().bytes_offloaded > 0
-    for (l1, g1), (l2, g2) in zip(ref, got):
+    for (l1, g1), (l2, g2) in zip(ref, got, strict=True):
         assert torch.equal(l1, l2)
-        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+        assert len(g1) == len(g2) and all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
 
 
 def test_adaptive_uncapped_offloads_all_but_the_last(spill_dir) -> None:

@@ -10,13 +10,12 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.disks import fstype
+from helpers.disks import fstype, is_root, tmpfs
 from helpers.gates import FILE_ENGINE_MODES, requires_root
 
 from gds_offload.activations.spill.store import GROW_BYTES, SpillStore
@@ -283,8 +282,8 @@ _CHILD = textwrap.dedent(
 
     store = SpillStore([Path(sys.argv[1])])
     engine = make_engine("posix")
-    t = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
-    slots = [store.allocate(t.numel()) for _ in range(8)]  # 512 MiB, rewritten forever
+    t = torch.randint(0, 256, (int(sys.argv[2]) << 20,), dtype=torch.uint8)
+    slots = [store.allocate(t.numel()) for _ in range(8)]  # 8 slots, rewritten forever
     rounds = 0
     while True:
         for f in [engine.write(t, s) for s in slots]:
@@ -315,20 +314,47 @@ def _open_files_under(d: Path) -> list[str]:
     return found
 
 
+def _held_bytes(pid: int, d: Path) -> int:
+    """Bytes of disk the files under ``d`` that process ``pid`` holds open take (named or not)."""
+    prefix = str(d.resolve()) + "/"
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        link = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(link).startswith(prefix):
+                held += os.stat(link).st_blocks * 512  # the open file itself, even unlinked
+        except OSError:
+            continue  # closed meanwhile
+    return held
+
+
 def test_killed_process_leaves_no_files_and_frees_the_space(spill_dir: Path) -> None:
-    before = _free_bytes(spill_dir)
+    """A child writing its spill file round after round is killed: no name is left in the
+    directory and no process holds a file there. Space is counted where no other writer
+    changes it: the child's own file while it runs (its blocks, through /proc), and, as root,
+    a private tmpfs whose free space is the child's alone, back to the byte once it is dead."""
+    if is_root():
+        with tmpfs(spill_dir / "private", "160m") as d:
+            _kill_a_writing_child(d, slot_mib=16, counts_free_space=True)
+    else:
+        _kill_a_writing_child(spill_dir, slot_mib=64, counts_free_space=False)
+
+
+def _kill_a_writing_child(d: Path, *, slot_mib: int, counts_free_space: bool) -> None:
+    before = _free_bytes(d)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(spill_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _CHILD, str(d), str(slot_mib)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
-        line = child.stdout.readline()  # type: ignore[union-attr]
+        line = child.stdout.readline()  # type: ignore[union-attr]  # the first round has landed; the next is under way
         assert line.strip(), f"child died before writing: {child.stderr.read()}"  # type: ignore[union-attr]
         spill_bytes = int(line)
-        assert spill_bytes >= 512 << 20
-        time.sleep(0.1)  # the child is now in the middle of its second round of writes
-        during = _free_bytes(spill_dir)
-        held = _open_files_under(spill_dir)
+        assert spill_bytes >= 8 * slot_mib << 20
+        assert _held_bytes(child.pid, d) >= spill_bytes, "the child's spill file does not hold its bytes on disk"
+        if counts_free_space:
+            assert before - _free_bytes(d) >= spill_bytes, "the child's spill file uses the filesystem's space"
+        held = _open_files_under(d)
         assert any(f"pid {child.pid} " in h and "(deleted)" in h for h in held), f"the child's spill file: {held}"
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
@@ -336,15 +362,10 @@ def test_killed_process_leaves_no_files_and_frees_the_space(spill_dir: Path) -> 
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert os.listdir(spill_dir) == [], "a named file survived the crash"
-    assert _open_files_under(spill_dir) == [], "some process still holds a spill file"
-    # The kernel frees an unlinked inode's blocks at its last close; allow the journal a moment.
-    deadline = time.monotonic() + 15
-    while _free_bytes(spill_dir) - during < spill_bytes * 3 // 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    after = _free_bytes(spill_dir)
-    assert before - during >= spill_bytes // 2, f"the child's writes did not use disk space ({before=} {during=})"
-    assert after - during >= spill_bytes * 3 // 4, f"space not freed after the crash ({before=} {during=} {after=})"
+    assert os.listdir(d) == [], "a named file survived the crash"
+    assert _open_files_under(d) == [], "some process still holds a spill file"  # so the kernel frees its blocks
+    if counts_free_space:
+        assert _free_bytes(d) == before, "the space came back once the child was dead"
 
 
 def test_mount_of_matches_whole_path_components(mount: Callable[[str, str], Path]) -> None:

@@ -57,10 +57,11 @@ def _train(model: torch.nn.Module, steps: int = 2) -> tuple[list[torch.Tensor], 
 
 
 def _assert_same(ref, got) -> None:
-    for a, b in zip(ref[0], got[0]):
+    assert len(ref[0]) == len(got[0]), f"{len(got[0])} losses, the reference has {len(ref[0])}"
+    for a, b in zip(ref[0], got[0], strict=True):
         assert torch.equal(a, b), (a.item(), b.item())
     assert len(ref[1]) == len(got[1])
-    for i, (a, b) in enumerate(zip(ref[1], got[1])):
+    for i, (a, b) in enumerate(zip(ref[1], got[1], strict=True)):
         assert (a is None) == (b is None), f"gradient {i}: one is None"
         assert a is None or torch.equal(a, b), f"gradient {i} differs"
 
@@ -148,7 +149,7 @@ def test_trainer_callback_is_exact_and_logs(tmp_path) -> None:
     ref_losses = [e["loss"] for e in ref_trainer.state.log_history if "loss" in e]
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses == ref_losses and len(losses) == 2
-    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b), f"parameter {n} differs"
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert all(e[LOG_PREFIX + "offloaded_mib"] > 0 for e in logged)

@@ -99,8 +99,9 @@ def _streamed(store: Path, **kw: Any) -> Any:
 
 
 def _assert_same(got: list[Any], want: list[Any]) -> None:
-    for step, ((gl, gg, ga), (wl, wg, wa)) in enumerate(zip(got, want)):
-        assert all(torch.equal(a, b) for a, b in zip(gl, wl)), f"step {step}: losses"
+    assert len(got) == len(want), f"{len(got)} steps, the reference ran {len(want)}"
+    for step, ((gl, gg, ga), (wl, wg, wa)) in enumerate(zip(got, want, strict=True)):
+        assert len(gl) == len(wl) and all(torch.equal(a, b) for a, b in zip(gl, wl, strict=True)), f"step {step}: losses"
         assert gg.keys() == wg.keys() and all(torch.equal(gg[k], wg[k]) for k in wg), f"step {step}: gradients"
         assert ga.keys() == wa.keys() and all(torch.equal(ga[k], wa[k]) for k in wa), f"step {step}: adapters"
 

@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
+import peft  # noqa: E402  # in the test extra: a plain import, so a missing peft fails the file rather than skipping it
 from helpers.disks import real_disk_base  # noqa: E402
 
 import gds_offload  # noqa: E402
@@ -231,7 +232,7 @@ def test_a_weight_kept_past_its_layers_backward_keeps_its_bytes(stores: dict[str
             _assert_equal(_step(model, ids, LLAMA_TRAIN), want)
         s = h.stats()
     assert len(_Keep.kept) == 2 * LAYERS
-    assert all(torch.equal(k, w) for k, w in zip(_Keep.kept, 2 * want_kept)), "a kept weight changed under it"
+    assert all(torch.equal(k, w) for k, w in zip(_Keep.kept, 2 * want_kept, strict=True)), "a kept weight changed under it"
     assert s.renewed_slots > 0 and s.backward_copies == [0] * LAYERS
     _Keep.kept.clear()
 
@@ -472,7 +473,6 @@ def test_backward_on_another_thread(stores: dict[str, tuple[Path, Path]], ids: t
 
 # ---- LoRA adapters (PEFT) on streamed layers: gds_offload.weights.adapters -------------------
 
-peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offload[hf]')")
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
@@ -510,7 +510,8 @@ def test_lora_fine_tuning_equals_resident(stores: dict[str, tuple[Path, Path]], 
             runs.append((losses, peft.get_peft_model_state_dict(m)))
         s = h.stats()
         assert _backward(s) == _again(LAYERS - resident_layers, slots, steps=3)
-        for a, b in zip(runs[0][0], runs[1][0]):
+        assert len(runs[0][0]) == len(runs[1][0]) == 3
+        for a, b in zip(runs[0][0], runs[1][0], strict=True):
             assert torch.equal(a, b)
         assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) == 2 * len(LORA_TARGETS) * LAYERS
         for k in runs[0][1]:

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from helpers.disks import real_disk_base  # noqa: E402
 from helpers.gates import ENGINES  # noqa: E402
+from helpers.llama import assert_same_generation  # noqa: E402
 
 from gds_offload.errors import ConfigError, SpillSpaceError  # noqa: E402
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
@@ -78,10 +79,9 @@ def _reference(ckpt: Path, mbs: list[Any], *, seed: int, **kw: Any) -> list[Any]
 
 
 def _assert_same(got: list[Any], want: list[Any]) -> None:
-    assert len(got) == len(want)
-    for j, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g.sequences, w.sequences), f"micro-batch {j}: tokens"
-        assert len(g.scores) == len(w.scores) and all(torch.equal(a, b) for a, b in zip(g.scores, w.scores)), f"micro-batch {j}: scores"
+    assert len(got) == len(want), f"{len(got)} micro-batches' outputs, the reference has {len(want)}"
+    for j, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same_generation(g, w, f"micro-batch {j}: ")
 
 
 SCORES = dict(output_scores=True, return_dict_in_generate=True)
@@ -204,7 +204,7 @@ def test_team_members_draw_their_own_random_numbers() -> None:
     before = torch.get_rng_state()
     got = team.run()
     assert torch.equal(torch.get_rng_state(), before), "the caller's state is left as it was"
-    assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert len(got) == len(want) and all(torch.equal(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
 
 
 def _draws(team: Team[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from helpers.disks import real_disk_base  # noqa: E402
 from helpers.gates import requires_cuda  # noqa: E402
-from helpers.llama import VOCAB, llama_config, meta_skeleton, save_checkpoint  # noqa: E402
+from helpers.llama import VOCAB, assert_same_generation, llama_config, meta_skeleton, save_checkpoint  # noqa: E402
 
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
 
@@ -54,12 +54,11 @@ def test_generate_many_on_cuda_equals_the_resident_model_per_micro_batch(ckpt_st
     with load_streamed(meta_skeleton(store), store, device="cuda", slots=2) as lm:
         out = lm.generate_many(_prompts(), micro_batch=3, per_load=2, kv=kv, kv_path=tmp_path / "kv", seed=7, pad_token_id=0, **kw)
     ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(ckpt).cuda().eval())
-    assert len(out.outputs) == len(out.micro_batches)
-    for j, (mb, got) in enumerate(zip(out.micro_batches, out.outputs)):
+    assert len(out.micro_batches) > 0 and len(out.outputs) == len(out.micro_batches)
+    for j, (mb, got) in enumerate(zip(out.micro_batches, out.outputs, strict=True)):
         torch.manual_seed(7 + j)
         want = ref.generate(mb.input_ids.cuda(), attention_mask=mb.attention_mask.cuda(), pad_token_id=0, **kw)
-        assert torch.equal(got.sequences, want.sequences), f"micro-batch {j}: tokens"
-        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores)), f"micro-batch {j}: scores"
+        assert_same_generation(got, want, f"micro-batch {j}: ")
 
 
 def test_accumulate_on_cuda_equals_ordinary_accumulation_on_the_resident_model(ckpt_store: tuple[Path, Path]) -> None:
@@ -88,6 +87,7 @@ def test_accumulate_on_cuda_equals_ordinary_accumulation_on_the_resident_model(c
     with load_streamed(model, store, device="cuda", slots=2) as lm:
         lm.model.train()
         got = train(lm.model, lambda bs: lm.accumulate(bs, per_load=2, seed=3))
-    for step, ((gl, ga), (wl, wa)) in enumerate(zip(got, want)):
-        assert all(torch.equal(a, b) for a, b in zip(gl, wl)), f"step {step}: losses"
+    assert len(got) == len(want), f"{len(got)} steps, the reference ran {len(want)}"
+    for step, ((gl, ga), (wl, wa)) in enumerate(zip(got, want, strict=True)):
+        assert len(gl) == len(wl) and all(torch.equal(a, b) for a, b in zip(gl, wl, strict=True)), f"step {step}: losses"
         assert ga.keys() == wa.keys() and all(torch.equal(ga[k], wa[k]) for k in wa), f"step {step}: adapters"

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
 from helpers.disks import real_disk_base  # noqa: E402
+from helpers.llama import assert_same_generation  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402
@@ -301,10 +302,11 @@ def test_from_pretrained_converts_when_needed_plans_and_streams(store: Path, tmp
     finally:
         lm.close()
     ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval())
+    assert len(got.micro_batches) > 0 and len(got.outputs) == len(got.micro_batches)
     for j, mb in enumerate(got.micro_batches):
         want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
                             prefill_chunk_size=lm.plan.choice.prefill_chunk, output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        assert torch.equal(got.outputs[j].sequences, want.sequences)
+        assert_same_generation(got.outputs[j], want, f"micro-batch {j}: ")
     assert stale_reason(ckpt, out) is None
     written = (out / "manifest.json").stat().st_mtime_ns
     from_pretrained(ckpt, store=out, memory="8GiB").close()  # fresh: not converted again
@@ -335,10 +337,11 @@ def test_a_run_slower_than_planned_plans_again_and_says_so(store: Path, tmp_path
     assert replans and "planned" in replans[0] and "the last 12 prompts run as" in replans[0]
     assert sorted(i for mb in out.micro_batches for i in mb.indices) == list(range(16)), "every prompt once"
     ref = as_reference(transformers.AutoModelForCausalLM.from_pretrained(store.parent / "ckpt").eval())
+    assert len(out.outputs) == len(out.micro_batches)
     for j, mb in enumerate(out.micro_batches):
         want = ref.generate(mb.input_ids, attention_mask=mb.attention_mask, max_new_tokens=3, pad_token_id=0,
-                            prefill_chunk_size=out.prefill_chunks[j])  # fmt: skip
-        assert torch.equal(out.outputs[j].sequences, want), f"micro-batch {j}"
+                            prefill_chunk_size=out.prefill_chunks[j], output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        assert_same_generation(out.outputs[j], want, f"micro-batch {j}: ")
 
 
 def _train_profile(**kw: object) -> Profile:

@@ -118,7 +118,7 @@ def test_full_finetuning_equals_resident_training(ckpt: Path, store: Path, tmp_p
             want, got = ref_opt.state[names[name]], trainer.state_of(name)  # resident layer 0, streamed layer 3, the resident group
             assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), name
         trainer.close()
-    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     assert not torch.equal(losses[0], losses[-micro]), "the weights changed between steps"
     weights = _exported(store, tmp_path / "out")
     state = ref.state_dict()
@@ -176,7 +176,7 @@ def test_training_resumes_from_the_drive_where_it_stopped(ckpt: Path, store: Pat
         with load_streamed(meta_skeleton(store), store) as lm, StreamedTrainer(lm, OPTIMIZERS["adamw"]) as trainer:
             assert trainer.step_count == first
             losses += [loss for s in steps[first:last] for loss in trainer.step(s)]
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     weights = _exported(store, tmp_path / "out")
     assert all(torch.equal(weights[k], v) for k, v in ref.state_dict().items())
     assert export(store, tmp_path / "converted", converted=True).step == 0  # the converted store is never written
@@ -269,7 +269,7 @@ def test_full_finetuning_on_cuda_equals_resident_training_on_the_same_gpu(ckpt: 
         name = "model.layers.3.self_attn.q_proj.weight"
         want, got = ref_opt.state[dict(ref.named_parameters())[name]], trainer.state_of(name)
         assert all(torch.equal(want[k].cpu(), got[k].cpu()) for k in want)
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     weights = _exported(store, tmp_path / "out")
     assert all(torch.equal(weights[k], v.cpu()) for k, v in ref.state_dict().items())
 
@@ -321,6 +321,6 @@ def test_ctrl_c_inside_a_step_leaves_the_last_complete_step(ckpt: Path, store: P
             trainer.optimizer.step = original  # type: ignore[method-assign]
         assert trainer.step_count == 1
         losses += trainer.step(steps[2])
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert len(losses) == len(ref_losses) and all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     weights = _exported(store, tmp_path / "out")
     assert all(torch.equal(weights[k], v) for k, v in ref.state_dict().items())

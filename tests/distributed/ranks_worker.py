@@ -80,10 +80,15 @@ def train(attach_kw: dict | None) -> dict:
     return rec
 
 
+def _all_equal(want: list, got: list) -> bool:
+    """As many tensors on each side, each ``torch.equal`` to its twin (an empty side is not equal)."""
+    return len(want) == len(got) > 0 and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def compare(base: dict, got: dict) -> dict:
     out = {k: v for k, v in got.items() if k not in ("losses", "grads")}
-    out["losses_equal"] = all(torch.equal(a, b) for a, b in zip(base["losses"], got["losses"]))
-    out["grads_equal"] = all(torch.equal(x, y) for a, b in zip(base["grads"], got["grads"]) for x, y in zip(a, b))
+    out["losses_equal"] = _all_equal(base["losses"], got["losses"])
+    out["grads_equal"] = len(base["grads"]) == len(got["grads"]) and all(_all_equal(a, b) for a, b in zip(base["grads"], got["grads"]))
     return out
 
 

@@ -93,7 +93,7 @@ def test_a_failing_rank_is_named(tmp_path):
 def test_termination_signal_stops_every_rank(tmp_path):
     """SIGTERM to ``bench --nproc 2`` while its ranks train: torchrun and both ranks are stopped and
     reaped, and the command exits 128 + 15 with one line."""
-    from helpers.procs import alive, children, cmdline
+    from helpers.procs import alive, children, cmdline, cpu_seconds
 
     # The one-process run fails at once (it is not a rank), so the ranks' run is the one under way.
     pythonpath = _factory(tmp_path, "ranks_only", "'RANK' not in os.environ", "ranks only")
@@ -106,10 +106,10 @@ def test_termination_signal_stops_every_rank(tmp_path):
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
             ranks = [k for k in children(proc.pid) if "ranks_runner" in cmdline(k) and "bench.train.torchrun" not in cmdline(k)]
-            if len(ranks) == 2:
+            # Past their start-up (imports and gloo, about 2 CPU-seconds each): the ranks train now.
+            if len(ranks) == 2 and all(cpu_seconds(k) >= 4 for k in ranks):
                 break
             time.sleep(0.2)
-        time.sleep(3)  # the ranks train now
         family = children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)

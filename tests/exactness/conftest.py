@@ -1,6 +1,5 @@
-"""Fixtures of the exactness suite (``engine_modes`` and ``spill_dir`` come from ``tests/conftest.py``).
+"""Fixtures of the exactness suite (``engine_modes``, ``timing`` and ``spill_dir`` come from ``tests/conftest.py``).
 
-* ``timing``: ``drive`` / ``natural`` (see :mod:`helpers.exact`);
 * ``exact``: :func:`helpers.exact.check` bound to the current engine (posix; compat where
   KvikIO is usable; host), timing and a fresh spill directory, so a test is
   ``exact(build, step)``;
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.exact import TIMINGS, check
+from helpers.exact import check
 
 import gds_offload
 
@@ -29,12 +28,6 @@ def _one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@pytest.fixture(params=TIMINGS)
-def timing(request: pytest.FixtureRequest) -> str:
-    """``drive`` (synchronize before backward; bytes read back) or ``natural`` (no forced timing)."""
-    return request.param
 
 
 @pytest.fixture

@@ -176,13 +176,24 @@ def check(
     return st
 
 
-def assert_io(st: gds_offload.OffloadStats, timing: str, run: Run | None = None) -> None:
-    """``drive``: bytes were read back from the drive; ``natural``: bytes were written to it."""
+def assert_io(st: gds_offload.OffloadStats, timing: str, run: Run | None = None, *, backwards: int | None = None) -> None:
+    """``drive``: bytes were read back from the drive; ``natural``: bytes were written to it.
+
+    ``backwards``: with ``drive``, every offloaded byte was read back from the drive that many
+    times (once per backward through it) and none was served from memory, so a read path that
+    lost or changed bytes shows in the results; with ``natural``, some bytes were read back or
+    served from memory."""
     if timing == "drive":
         assert run is None or run.syncs > 0, "a drive-timed step never called run.sync()"
         assert st.bytes_read > 0, f"drive timing but nothing was read back: {st}"
+        if backwards is not None:
+            assert st.bytes_read == backwards * st.bytes_offloaded and st.bytes_forwarded == 0, (
+                f"drive timing: expected every offloaded byte read back {backwards}x from the drive: {st}"
+            )
     else:
         assert st.bytes_offloaded > 0, f"nothing was offloaded: {st}"
+        if backwards is not None:
+            assert st.bytes_read + st.bytes_forwarded > 0, f"backward used no offloaded tensor: {st}"
 
 
 def loss_step(forward: Callable[[nn.Module, int], Any]) -> Callable[[nn.Module, Run, int], Record]:

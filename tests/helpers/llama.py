@@ -9,11 +9,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
-__all__ = ["LAYERS", "VOCAB", "converted", "llama_config", "meta_skeleton", "resident_model", "save_checkpoint"]
+__all__ = ["LAYERS", "VOCAB", "assert_same_generation", "converted", "llama_config", "meta_skeleton", "resident_model", "save_checkpoint"]
 
 LAYERS, VOCAB = 4, 256
 
@@ -65,3 +66,15 @@ def converted(name: str) -> Iterator[tuple[Path, Path]]:
         yield ckpt, base / "store"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def assert_same_generation(got: Any, want: Any, where: str = "") -> None:
+    """Two ``generate`` outputs (``output_scores=True, return_dict_in_generate=True``) bit for bit:
+    the tokens, and the scores of every step, as many steps on each side (at least one: a side
+    that returned no scores fails)."""
+    __tracebackhide__ = True
+    assert torch.equal(got.sequences, want.sequences), f"{where}tokens differ"
+    assert len(want.scores) > 0, f"{where}the reference has no scores: ask for output_scores=True, return_dict_in_generate=True"
+    assert len(got.scores) == len(want.scores), f"{where}scores of {len(got.scores)} steps, the reference has {len(want.scores)}"
+    for i, (g, w) in enumerate(zip(got.scores, want.scores, strict=True)):
+        assert torch.equal(g, w), f"{where}scores of step {i} differ"

@@ -31,6 +31,7 @@ __all__ = [
     "offload_everything",
     "train_step",
     "assert_same",
+    "between",
     "make",
     "grads_of",
     "param_grads",
@@ -201,13 +202,20 @@ def train_step(
     *,
     seed: int = 1234,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    sync: Callable[[], object] | None = None,
 ) -> Result:
-    """One forward/backward from zeroed grads with the RNG reset to ``seed`` (dropout identical)."""
+    """One forward/backward from zeroed grads with the RNG reset to ``seed`` (dropout identical).
+
+    ``sync`` runs between forward and backward: :meth:`~gds_offload.Offloader.synchronize`
+    there makes every write land first, so backward reads every offloaded tensor back from
+    the drive (see :func:`between`)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     out = model(*args)
     loss = loss_fn(out) if loss_fn is not None else (out if out.dim() == 0 else out.float().pow(2).mean())
+    if sync is not None:
+        sync()
     loss.backward()
     return grads_of(model, loss)
 
@@ -245,6 +253,15 @@ def offload_everything(model: nn.Module, path: Path, engine: str = "posix", **kw
     """``attach`` that offloads every saved tensor (no size floor, no layer kept), so that tiny
     test models really exercise the drive."""
     return gds_offload.attach(model, path=path, mode=engine, **({"min_bytes": 0, "keep_last": 0} | kw))
+
+
+def between(off: gds_offload.Offloader, timing: str) -> Callable[[], None]:
+    """What a step runs between forward and backward under ``timing`` (:data:`helpers.exact.TIMINGS`):
+    ``drive``, :meth:`~gds_offload.Offloader.synchronize` (every write lands and leaves memory,
+    so backward reads every offloaded tensor back from the drive); ``natural``, nothing (a
+    tensor whose write is still in flight is served from memory)."""
+    assert timing in ("drive", "natural"), timing
+    return off.synchronize if timing == "drive" else lambda: None
 
 
 def settled(off: gds_offload.Offloader) -> gds_offload.OffloadStats:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["EXAMPLES", "LAUNCH_VARS", "REPO", "alive", "assert_exact", "children", "clean_env", "cmdline", "free_port", "per_rank_dirs"]
+__all__ = ["EXAMPLES", "LAUNCH_VARS", "REPO", "alive", "assert_exact", "children", "clean_env", "cmdline", "cpu_seconds", "free_port", "per_rank_dirs"]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -42,6 +42,17 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time ``pid`` has used, with that of the children it reaped; 0 once it is gone. A
+    busy machine stretches the wall time a process takes, not the CPU time its work needs:
+    wait on this, not on a clock, for a child to get somewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
 
 
 def cmdline(pid: int) -> str:
