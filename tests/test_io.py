@@ -683,3 +683,47 @@ def test_engines_opening_handles_at_once_leave_kvikio_compat_mode_as_it_was(monk
     expected = {"gds": kvikio.CompatMode.OFF, "compat": kvikio.CompatMode.ON}
     assert all(mode == expected[name] for name, mode in seen), seen
     assert kvikio.defaults.get("compat_mode") == before
+
+
+@pytest.mark.skipif(not kvikio_status()[0], reason="needs KvikIO (and libcuda.so.1 for its host I/O)")
+def test_an_engine_made_while_reads_are_in_flight_leaves_kvikios_pool_alone(spill_dir: Path) -> None:
+    """KvikIO's one thread pool is rebuilt whenever num_threads is set: a second engine of the same
+    or a smaller size (a trainer's beside a streamed model's) must not set it while the first one's
+    reads are in flight; the reads all complete, exactly."""
+    import kvikio.defaults
+
+    from gds_offload.activations.spill.store import SpillStore
+    from gds_offload.io.kvikio_engine import KvikIOEngine
+
+    first = KvikIOEngine("compat", num_threads=4)
+    store = SpillStore([spill_dir])
+    src = torch.arange(64 << 18, dtype=torch.int32).view(torch.uint8)  # 64 MiB
+    slot = store.allocate(src.numel())
+    try:
+        first.write(src, slot).wait()
+        dst = torch.empty_like(src)
+        rebuilt: list[object] = []
+        original = kvikio.defaults.set
+
+        def recording(*args: object, **kwargs: object) -> object:
+            config = args[0] if args and isinstance(args[0], dict) else {}
+            if "num_threads" in config or args[:1] == ("num_threads",):
+                rebuilt.append(args)
+            return original(*args, **kwargs)
+
+        kvikio.defaults.set = recording  # type: ignore[assignment]
+        try:
+            future = first.read(dst, slot)
+            second = KvikIOEngine("compat", num_threads=4)
+            third = KvikIOEngine("compat", num_threads=2)
+        finally:
+            kvikio.defaults.set = original  # type: ignore[assignment]
+        future.wait()
+        assert rebuilt == [] and kvikio.defaults.get("num_threads") >= 4
+        assert torch.equal(dst, src)
+        second.close()
+        third.close()
+    finally:
+        store.free(slot)
+        store.close()
+        first.close()

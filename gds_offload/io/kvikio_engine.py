@@ -159,7 +159,8 @@ class KvikIOEngine(PageSpanEngine):
         strict: ``gds`` only: turn cuFile's own POSIX fallback off for the process and raise
             when that cannot be done (what ``mode="gds"`` promises; see the module doc).
             ``False`` (``mode="auto"``): leave cuFile's settings alone.
-        num_threads: KvikIO's thread pool size (process-wide).
+        num_threads: KvikIO's thread pool size (process-wide): at least this many threads; a pool
+            already that large is left as it is.
         task_bytes: KvikIO's task size (process-wide).
         issue_threads: this engine's own threads, which wait for the producing CUDA
             event and for KvikIO's futures, so the caller never blocks (``None``: ``num_threads``).
@@ -203,14 +204,13 @@ class KvikIOEngine(PageSpanEngine):
 
         self._kvikio = kvikio
         self._compat = kvikio.CompatMode.OFF if mode == "gds" else kvikio.CompatMode.ON
-        kvikio.defaults.set(
-            {
-                "num_threads": num_threads,
-                "task_size": task_bytes,
-                "auto_direct_io_read": True,
-                "auto_direct_io_write": True,
-            }
-        )
+        settings: dict[str, Any] = {"task_size": task_bytes, "auto_direct_io_read": True, "auto_direct_io_write": True}
+        # Setting num_threads rebuilds KvikIO's one process-wide pool, also to the size it has: an
+        # engine made while another's reads are in flight (a trainer's beside its streamed model's
+        # fills) could leave a read that never completes. The pool only grows, and only when needed.
+        if kvikio.defaults.get("num_threads") < num_threads:
+            settings["num_threads"] = num_threads
+        kvikio.defaults.set(settings)
         self.task_bytes = task_bytes
         #: How handles open their files (opening goes through :meth:`_handle`, under the process-wide compat-mode lock).
         self.open_flags = "r" if read_only else "r+"
