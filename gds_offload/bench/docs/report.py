@@ -359,8 +359,10 @@ def _plot(doc: dict[str, Any], result: Path, page_dir: Path) -> Path | None:
 
 
 def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str:
-    """The whole page: a header naming the command that regenerates it, the method, then one
-    section per result file."""
+    """The whole page: a header naming the command that regenerates it, the summary table (how
+    fast, against what), the method, then one section per result file."""
+    from gds_offload.bench.docs.summary import render_summary
+
     lines = [
         "# Performance",
         "",
@@ -369,6 +371,7 @@ def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str
         "figures from another machine, run the command with `--out docs/results/NAME.json`, then",
         "regenerate this page.",
         "",
+        *render_summary(sections),
         METHOD,
     ]
     for s in sections:

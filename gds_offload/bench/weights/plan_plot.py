@@ -34,10 +34,10 @@ def plot_plan(plan: Plan, out: Path, *, measured: tuple[tuple[str, int, float], 
     ax.set_xlabel("sequences per weight load (micro-batches x micro-batch size)")
     w = plan.workload
     if isinstance(w, Finetune):
-        ax.set_ylabel("tokens trained/s (predicted)")
+        ax.set_ylabel("tokens trained/s (lines: predicted; marks: measured)")
         what = f"LoRA r={w.lora_r}: {w.sequences} sequences x {w.seq} tokens, {w.global_batch} per step"
     else:
-        ax.set_ylabel("generated tokens/s (predicted)")
+        ax.set_ylabel("generated tokens/s (lines: predicted; marks: measured)")
         what = f"{w.prompts} prompts x {w.prompt_len} + {w.new_tokens} tokens"
     ax.set_title(f"{what}, {format_bytes(plan.memory_nbytes)} (dotted: over memory)", fontsize=9)
     ax.grid(True, alpha=0.3)
