@@ -269,3 +269,23 @@ def test_result_files_record_the_paths_they_exercise(tmp_path: Path) -> None:
                       path=None, modes=[], summary={}, results=[])
     assert doc["exercises"] == exercised_paths("bench")
     assert {"gds_offload/activations", "gds_offload/io", "gds_offload/bench/train"} <= set(doc["exercises"])
+
+
+def test_the_page_opens_with_how_fast_against_what() -> None:
+    """The first section of the committed page is the summary table, a row per job and result with
+    this project's figure and each peer measured beside it, in the order a user asks: training with
+    activations offloaded first, then generation, LoRA and full fine-tuning."""
+    from gds_offload.bench.docs.report import load_sections
+    from gds_offload.bench.docs.summary import summary_rows
+
+    rows = summary_rows(load_sections(REPO / "docs" / "results"))
+    jobs = [r[0].split(":")[0] for r in rows]
+    assert jobs == sorted(jobs, key=["train a model, activations offloaded", "generate, weights streamed",
+                                      "LoRA fine-tuning, weights streamed", "full fine-tuning, weights streamed"].index)  # fmt: skip
+    assert set(jobs) == {"train a model, activations offloaded", "generate, weights streamed", "LoRA fine-tuning, weights streamed",
+                         "full fine-tuning, weights streamed"}  # fmt: skip
+    against = " ".join(r[2] for r in rows)
+    for peer in ("recompute", "save_on_cpu", "Accelerate", "AirLLM", "DeepSpeed ZeRO-Inference", "DeepSpeed ZeRO-Infinity"):
+        assert peer in against, peer
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert page.index("## How fast, against what") < page.index("## Method")
