@@ -12,6 +12,7 @@ from helpers.skips import group_of, summary
     ("needs root privileges and a cgroup v1 memory hierarchy", "privileges"),
     ("transformers is not installed (pip install 'gds_offload[hf]')", "set-up"),
     ("needs DeepSpeed's async_io op built beforehand", "set-up"),
+    ("DeepSpeed's ops are not built in /root/.cache/torch_extensions (needs libaio-dev)", "set-up"),
 ])  # fmt: skip
 def test_each_reason_has_its_group(reason: str, group: str) -> None:
     assert group_of(reason) == group

@@ -513,7 +513,9 @@ def _finetune_child(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path, 
     stop.remove()
     assert hidden is not None
     say(f"the head and loss of 1 x {seq} tokens, forward and backward")
-    head_train = _head_train_peak(lm.model, hidden[:1], vocab, device, reset, peak)
+    # Measured in this process, small allocations may come from heap memory freed earlier and add
+    # nothing to its resident set; the head holds at least its logits and their gradient.
+    head_train = max(_head_train_peak(lm.model, hidden[:1], vocab, device, reset, peak), 2.0 * vocab * 4)
     forward, backward = _medians(forward[1:]), _medians(backward[1:])
     head = _time_head(call, cfg, dtype, device, sizes=[64, 256])
     heads = text.num_attention_heads

@@ -11,7 +11,7 @@ __all__ = ["GROUPS", "group_of", "summary"]
 
 GROUPS = ("hardware", "privileges", "set-up")
 _HARDWARE = re.compile(r"GPU|CUDA|NVIDIA|nvidia-fs|huge pages|GDS_TEST_DIR", re.IGNORECASE)
-_PRIVILEGES = re.compile(r"\broot\b|cgroup|privilege", re.IGNORECASE)
+_PRIVILEGES = re.compile(r"needs root|as root|root privileges|cgroup|privilege", re.IGNORECASE)
 
 
 def group_of(reason: str) -> str:
