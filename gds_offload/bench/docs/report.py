@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.docs.summary import render_summary
 from gds_offload.bench.train.memory import CPU_SOURCE, CUDA_SOURCE
 from gds_offload.units import format_bytes
 
@@ -361,7 +362,6 @@ def _plot(doc: dict[str, Any], result: Path, page_dir: Path) -> Path | None:
 def render_page(sections: list[Section], page_dir: Path, *, command: str) -> str:
     """The whole page: a header naming the command that regenerates it, the summary table (how
     fast, against what), the method, then one section per result file."""
-    from gds_offload.bench.docs.summary import render_summary
 
     lines = [
         "# Performance",

@@ -4,12 +4,26 @@ project's figure, the peer's, the ratio, and the machine.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from gds_offload.bench.docs.report import Section
+__all__ = ["anchor", "summary_rows", "render_summary"]
 
-__all__ = ["summary_rows", "render_summary"]
+
+class Result(Protocol):
+    """A result file as the page renders it (:class:`~gds_offload.bench.docs.report.Section`)."""
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def doc(self) -> dict[str, Any]: ...
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 #: What each weight benchmark's ``planned_over_<peer>`` compares against, in words.
 _PEERS = {
@@ -77,7 +91,7 @@ def _full(doc: dict[str, Any]) -> tuple[str, str] | None:
 _JOBS = ("train a model, activations offloaded", "generate, weights streamed", "LoRA fine-tuning, weights streamed", "full fine-tuning, weights streamed")
 
 
-def summary_rows(sections: list[Section]) -> list[tuple[str, str, str, str]]:
+def summary_rows(sections: Sequence[Result]) -> list[tuple[str, str, str, str]]:
     """``(job and result, this project, against what, machine)`` for each result that compares
     this project with something a user would run instead."""
     out: list[tuple[int, str, str, str, str]] = []
@@ -96,17 +110,11 @@ def summary_rows(sections: list[Section]) -> list[tuple[str, str, str, str]]:
         else:
             continue
         if row is not None:
-            out.append((job, f"{_JOBS[job]}: [{s.title}](#{_anchor(s.title)})", *row, _machine(doc)))
+            out.append((job, f"{_JOBS[job]}: [{s.title}](#{anchor(s.title)})", *row, _machine(doc)))
     return [r[1:] for r in sorted(out, key=lambda r: r[0])]
 
 
-def _anchor(title: str) -> str:
-    from gds_offload.bench.docs.headline import anchor
-
-    return anchor(title)
-
-
-def render_summary(sections: list[Section]) -> list[str]:
+def render_summary(sections: Sequence[Result]) -> list[str]:
     """The page's opening section: the table of :func:`summary_rows`."""
     rows = summary_rows(sections)
     if not rows:
