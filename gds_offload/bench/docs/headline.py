@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gds_offload.bench.docs.report import out_of_reach
-from gds_offload.bench.docs.summary import anchor
+from gds_offload.bench.docs.summary import anchor, full_comparison
 
 if TYPE_CHECKING:
     from gds_offload.bench.docs.report import Section
@@ -106,21 +106,20 @@ def _ended(row: dict[str, Any]) -> str:
 
 def _full(doc: dict[str, Any]) -> str | None:
     """``bench-finetune --full``: streamed-drive against resident and against DeepSpeed ZeRO-Infinity, at the largest micro-batch."""
-    rows = {(r["mode"], r["batch"]): r for r in doc["summary"]["full"] if r["tokens_per_s"]}
-    drive = [r for (mode, _), r in rows.items() if mode == "drive"]
-    if not drive:
+    found = full_comparison(doc)
+    if found is None:
         # A run of the peers alone (``--modes deepspeed-infinity``) still says how each ended.
         labels = {"drive": "streamed-drive", "resident": "resident", "deepspeed-infinity": "DeepSpeed ZeRO-Infinity"}
         ended = {r["mode"]: _ended(r) for r in doc["summary"]["full"]}
         return ", ".join(f"{labels.get(m, m)}: {how}" for m, how in ended.items()) or None
-    r = max(drive, key=lambda r: r["batch"])
+    r, peers = found
     parts = [f"streamed-drive {'exact' if r['matches_resident'] else 'NOT exact'}"]
-    for mode, label in (("resident", "resident's"), ("deepspeed-infinity", "DeepSpeed ZeRO-Infinity's")):
-        other = rows.get((mode, r["batch"]))
+    labels = {"resident": "resident's", "deepspeed-infinity": "DeepSpeed ZeRO-Infinity's"}
+    for mode, other in peers.items():
         if other is not None:
-            parts.append(f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x {label} train tok/s")
-        elif any(x["mode"] == mode for x in doc["summary"]["full"]):
-            parts.append(f"{label.removesuffix(chr(39) + 's')} failed")
+            parts.append(f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x {labels[mode]} train tok/s")
+        else:
+            parts.append(f"{labels[mode].removesuffix(chr(39) + 's')} failed")
     return ", ".join(parts) + f" (micro-batch {r['batch']})"
 
 

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["anchor", "summary_rows", "render_summary"]
+__all__ = ["FULL_PEERS", "anchor", "full_comparison", "summary_rows", "render_summary"]
 
 
 class Result(Protocol):
@@ -71,19 +71,31 @@ def _planned(doc: dict[str, Any], unit: str) -> tuple[str, str] | None:
     return ("planned by the Balance Beam planner", "; ".join(against)) if against else None
 
 
-def _full(doc: dict[str, Any]) -> tuple[str, str] | None:
-    ok = {(r["mode"], r["batch"]): r for r in doc["summary"]["full"] if r.get("tokens_per_s")}
+#: The modes ``bench-finetune --full`` compares streaming with.
+FULL_PEERS = ("resident", "deepspeed-infinity")
+
+
+def full_comparison(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any] | None]] | None:
+    """``bench-finetune --full``: the streamed row at the largest micro-batch that ran, and each
+    peer of :data:`FULL_PEERS` in the run: its row at that micro-batch, or ``None`` if it failed there.
+    ``None`` when no streamed row ran."""
+    rows = doc["summary"]["full"]
+    ok = {(r["mode"], r["batch"]): r for r in rows if r.get("tokens_per_s")}
     drive = [r for (mode, _), r in ok.items() if mode == "drive"]
     if not drive:
         return None
     r = max(drive, key=lambda r: r["batch"])
-    against = []
-    for mode, label in (("resident", "every weight in memory"), ("deepspeed-infinity", "DeepSpeed ZeRO-Infinity")):
-        other = ok.get((mode, r["batch"]))
-        if other is not None:
-            against.append(f"{label}: {other['tokens_per_s']:.3g} train tok/s (streamed: {r['tokens_per_s'] / other['tokens_per_s']:.2f}x)")
-        elif any(x["mode"] == mode for x in doc["summary"]["full"]):
-            against.append(f"{label}: failed (out of memory or error)")
+    return r, {mode: ok.get((mode, r["batch"])) for mode in FULL_PEERS if any(x["mode"] == mode for x in rows)}
+
+
+def _full(doc: dict[str, Any]) -> tuple[str, str] | None:
+    found = full_comparison(doc)
+    if found is None:
+        return None
+    r, peers = found
+    labels = {"resident": "every weight in memory", "deepspeed-infinity": "DeepSpeed ZeRO-Infinity"}
+    against = [f"{labels[m]}: {o['tokens_per_s']:.3g} train tok/s (streamed: {r['tokens_per_s'] / o['tokens_per_s']:.2f}x)" if o is not None
+               else f"{labels[m]}: failed (out of memory or error)" for m, o in peers.items()]  # fmt: skip
     return f"streamed from the drive: {r['tokens_per_s']:.3g} train tok/s", "; ".join(against)
 
 
