@@ -16,6 +16,7 @@ EXTRAS=${GDS_OFFLOAD_EXTRAS:-cu12,test,data}
 PY=${PYTHON:-python3}
 
 have_libcuda() { ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; }
+have_libaio_headers() { [ -f /usr/include/libaio.h ]; }
 
 if ! have_libcuda; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -40,4 +41,31 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+# The peers the performance page compares against, so that the suite checks their tokens against
+# the resident model's (tests/test_bench_peers.py). AirLLM without dependency resolution: its
+# requirements are already here, and resolving them would replace the CPU torch. DeepSpeed's
+# async_io op needs libaio-dev and is built once, here, not inside a test (about 2 minutes on
+# 2 cores; cached in torch's extension directory). GDS_OFFLOAD_PEERS=0 skips this step.
+if [ "${GDS_OFFLOAD_PEERS:-1}" = 1 ]; then
+    if ! have_libaio_headers; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null 2>&1 \
+                || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null; }
+        else
+            echo "setup: libaio-dev missing and apt-get unusable (not root?): DeepSpeed's NVMe peer test will be skipped"
+        fi
+    fi
+    .venv/bin/python -m pip install -q --no-deps "airllm==4.0.0" scipy sentencepiece
+    if have_libaio_headers; then
+        .venv/bin/python - <<'PY'
+import sys
+from gds_offload.bench.weights.peer_loaders import build_deepspeed_ops, deepspeed_aio_built
+if not deepspeed_aio_built()[0]:
+    print("setup: building DeepSpeed's async_io op once (about 2 minutes on 2 cores)", flush=True)
+    built, why = build_deepspeed_ops()
+    if not built:
+        sys.exit(f"setup: {why}")
+PY
+    fi
+fi
 echo "setup: done ($(.venv/bin/python -c 'import torch, gds_offload; print("torch", torch.__version__, "| gds_offload", gds_offload.__version__)'))"

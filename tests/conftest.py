@@ -52,22 +52,44 @@ def pytest_configure(config: pytest.Config) -> None:
 _STDERR_FD = 2
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
-    """Say what the skips lost, by why (helpers/skips.py); strict: a set-up skip fails the run."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (minutes, gigabytes: the opt-in kind, each with a smaller twin that
+    always runs) are deselected unless asked for with ``-m slow`` or ``GDS_OFFLOAD_SLOW=1``, so a
+    normal run reports them as deselected, not as lost coverage."""
+    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("GDS_OFFLOAD_SLOW"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def _skip_reasons(terminalreporter: pytest.TerminalReporter) -> list[str]:
     reasons = []
     for rep in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(rep, "longrepr", None)
         reasons.append(str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr))
-    lines, setup = summary(reasons)
+    return reasons
+
+
+def _strict() -> bool:
+    return os.environ.get("GDS_OFFLOAD_STRICT_SKIPS") == "1"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """Say what the skips lost, by why (helpers/skips.py)."""
+    lines, setup = summary(_skip_reasons(terminalreporter))
     for line in lines:
         terminalreporter.write_line(line)
-    if setup and os.environ.get("GDS_OFFLOAD_STRICT_SKIPS") == "1":
-        terminalreporter.write_line(f"{setup} tests skipped for set-up reasons (GDS_OFFLOAD_STRICT_SKIPS=1): install what they name")
-        config._gds_offload_strict_failed = True  # type: ignore[attr-defined]
+    if setup and _strict():
+        terminalreporter.write_line(f"{setup} tests skipped for set-up reasons (GDS_OFFLOAD_STRICT_SKIPS=1): install what they name; the run fails")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if getattr(session.config, "_gds_offload_strict_failed", False) and exitstatus == 0:
+    """Strict (``GDS_OFFLOAD_STRICT_SKIPS=1``): a set-up skip fails a run that otherwise passed.
+    (Decided here, before the terminal summary is written: the exit status is read after this hook.)"""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _strict() and reporter is not None and exitstatus == 0 and summary(_skip_reasons(reporter))[1]:
         session.exitstatus = 1
 
 

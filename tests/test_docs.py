@@ -9,11 +9,13 @@ two streamed layers besides the first). Shell blocks run line by line in ``bash`
 package's commands on ``PATH``. Each block runs in a temporary directory, with the example
 drive ``/mnt/nvme0`` mapped into it. A block marked ``<!-- needs: cuda -->`` (or another
 device) above its fence is skipped where that is missing; ``<!-- run: ci -->`` marks the
-set-up and test commands, which CI runs itself.
+set-up and test commands, which this suite cannot run inside itself: for those it checks that
+``.ci/run`` runs each of them (through the scripts it calls).
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +78,38 @@ def _checkpoint(tmp: Path) -> None:
     subprocess.run([sys.executable, "-c", CHECKPOINT], cwd=tmp, env=_env(), check=True, capture_output=True, timeout=300)
 
 
+def _ci_commands(script: Path, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The command lines ``script`` runs, with those of each ``bash scripts/...`` it calls."""
+    lines = []
+    for raw in script.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith(("set ", "cd ", "export ")):
+            continue
+        words = line.split()
+        while len(words) > 1 and re.match(r"[A-Za-z_]\w*=", words[0]):  # VAR=value command: the command
+            words.pop(0)
+        line = " ".join(words)
+        lines.append(line)
+        if words[0] == "bash" and len(words) > 1 and (REPO / words[1]).is_file():
+            called = (REPO / words[1]).resolve()
+            if called not in seen:
+                lines += _ci_commands(called, seen | {called})
+    return lines
+
+
+def _check_ci_runs(block: Block) -> None:
+    """Each command of the README's set-up and test block (``a && b`` is two) is one that ``.ci/run`` runs, with at most extra flags."""
+    ran = _ci_commands(REPO / ".ci" / "run")
+    for line in block.text.splitlines():
+        for command in filter(None, (c.strip() for c in line.split("#", 1)[0].split("&&"))):
+            assert any(r == command or r.startswith(command + " ") for r in ran), f"{block.where}: .ci/run never runs {command!r} (it runs {ran})"
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_code_block_runs(block: Block, tmp_path: Path) -> None:
     if block.run == "ci":
-        pytest.skip(f"{block.where}: the set-up and test commands; CI runs them itself")
+        _check_ci_runs(block)
+        return
     missing = _missing(block.needs)
     if missing:
         pytest.skip(f"{block.where} needs {missing}")

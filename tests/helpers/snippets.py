@@ -4,7 +4,7 @@ A block is marked by an HTML comment on the line right above its fence:
 
 * ``<!-- needs: cuda -->`` (or ``gpus``, ``gds``, ...): it needs hardware; the test skips it,
   naming what it needs, where that is missing;
-* ``<!-- run: ci -->``: CI runs it itself (the set-up and test commands), so the test does not.
+* ``<!-- run: ci -->``: the set-up and test commands, which the suite cannot run inside itself; it checks that ``.ci/run`` runs them.
 """
 from __future__ import annotations
 
