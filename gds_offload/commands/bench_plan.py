@@ -5,6 +5,7 @@ memory cap (:mod:`gds_offload.bench.weights.plan_bench`). Examples::
     gds-offload bench-plan --tiny --memory-limit 512MiB          # about a minute: the end-to-end check
     gds-offload bench-plan --memory-limit 1.2GiB --out docs/results/plan-cpu.json
     gds-offload bench-plan --workload finetune --memory-limit 1.2GiB --out docs/results/plan-finetune-cpu.json
+    gds-offload bench-plan --matrix --out docs/results/plan-matrix-cpu.json  # four shapes x two caps, under an hour on 2 cores
 
 ``--out`` writes the result file ``gds-offload report`` renders, and a PNG beside it (the plan's
 predicted curve with the measured points over it). Exit status: 0 every mode ran and the planned
@@ -12,7 +13,9 @@ tokens equal the resident model's, 1 otherwise, 2 a usage error (every flag is c
 anything is measured). ``--workload finetune``: LoRA fine-tuning
 (:mod:`gds_offload.bench.weights.plan_finetune`), the plan against ordinary accumulation and the
 resident model on the same micro-batches; 0 when the planned losses and adapters equal the
-resident model's.
+resident model's. ``--matrix``: the planner on four model shapes it was not tuned on, each at two caps
+(fractions of its weights), through ``from_pretrained`` inside the capped process
+(:mod:`gds_offload.bench.weights.plan_matrix`); 0 when every cell's targets are met.
 """
 from __future__ import annotations
 
@@ -57,9 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the result file (JSON) here ('-': print it)")
     p.add_argument("--plot", default=None, help="PNG (default: OUT with .png; '' for none)")
     p.add_argument("--title", default=None, help="the result's title on the performance page")
+    p.add_argument("--matrix", action="store_true", help="four model shapes x two caps through from_pretrained (defaults: 128 prompts of 32 + 8 tokens)")
+    p.add_argument("--shapes", default=None, help="--matrix: comma-separated shapes (default: all of llama, qwen2-gqa, phi-wide, granite-deep)")
+    p.add_argument("--caps", default="0.6,0.85", help="--matrix: caps as fractions of each shape's weight bytes (--tiny: of 1 GiB)")
+    p.add_argument("--keep", action="store_true", help="--matrix: keep each shape's checkpoint and store in the workdir")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return _run_matrix(args)
     try:
         check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
         modes = tuple(modes_arg(args.modes, MODES))
@@ -134,6 +143,57 @@ def _run_finetune(args: argparse.Namespace, *, workload: Any, steps: int, modes:
     _write(doc, args.out, console)
     planned = doc["results"].get("planned", {})
     return 0 if planned.get("tokens_per_s") and planned.get("exact") is not False else 1
+
+
+def _run_matrix(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gds_offload.bench.docs.report import current_commit
+    from gds_offload.bench.weights import plan_matrix as pm
+
+    try:
+        check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
+        if args.workload != "generate" or args.peers or args.checkpoint is not None or args.memory_limit is not None:
+            raise ConfigError("--matrix runs generation on its own shapes and caps; drop --workload, --peers, --checkpoint and --memory-limit")
+        by_name = {s.name: s for s in (pm.TINY_SHAPES if args.tiny else pm.SHAPES)}
+        names = modes_arg(args.shapes, tuple(by_name)) if args.shapes else list(by_name)
+        caps = tuple(_fraction(c) for c in args.caps.split(","))
+        d = (8, 16, 4, 4) if args.tiny else (128, 32, 8, 16)
+        prompts, prompt_len, new_tokens, subset = (v or dflt for v, dflt in zip((args.prompts, args.prompt_len, args.new_tokens, args.subset), d))
+        if new_tokens < 2:
+            raise ConfigError(f"--new-tokens {new_tokens}: at least 2 (the first comes from the prefill)")
+        workdir = workdir_arg(args.workdir, tiny=args.tiny)
+    except ConfigError as exc:
+        print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    started, commit = time.time(), current_commit()
+    try:
+        doc = pm.run_matrix(workdir=workdir, shapes=tuple(by_name[n] for n in names), caps=caps, prompts=prompts, prompt_len=prompt_len,
+                            new_tokens=new_tokens, subset=min(subset, prompts), say=console.log, timeout_s=args.timeout, keep=args.keep,
+                            cap_base=(1 << 30) if args.tiny else None)  # fmt: skip
+    except ConfigError as exc:
+        print(f"gds-offload bench-plan: {exc}", file=sys.stderr)
+        return 2
+    doc = pm.document(doc, title=args.title, command=getattr(args, "command_line", None) or "gds-offload bench-plan --matrix", commit=commit,
+                      machine=describe_machine(workdir).as_dict(), started=started)  # fmt: skip
+    if args.out and args.out != "-" and args.plot != "":
+        try:
+            doc["plot"] = pm.plot_matrix(doc, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")).as_posix()
+        except ImportError as exc:
+            print(f"gds-offload bench-plan: no plot: {exc}", file=sys.stderr)
+    _write(doc, args.out, console)
+    return 0 if all(t["met"] is not False for t in doc["targets"]) else 1
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0 < f <= 4:
+        raise ConfigError(f"--caps {text!r}: give fractions of the weights, e.g. --caps 0.6,0.85")
+    return f
 
 
 def _write(doc: dict[str, Any], out: str | None, console: Any) -> None:

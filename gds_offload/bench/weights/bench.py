@@ -45,7 +45,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
@@ -171,7 +171,16 @@ class ModeResult(ChildResult):
 
 
 # -- the parent -----------------------------------------------------------------------------
-def prepare(model: BenchModel, workdir: Path, checkpoint: Path | None = None) -> tuple[Path, Path]:
+class ModelShape(Protocol):
+    """What :func:`prepare` builds a checkpoint from: a transformers config and the weights' dtype."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    def config(self) -> Any: ...
+
+
+def prepare(model: ModelShape, workdir: Path, checkpoint: Path | None = None) -> tuple[Path, Path]:
     """``(checkpoint, store)`` in ``workdir``: a random-weight checkpoint (unless given) and its store."""
     import torch
     import transformers

@@ -39,7 +39,7 @@ from gds_offload.weights.measure import plan
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.planner import Choice, Generate, Plan, choose
 
-__all__ = ["MODES", "run_bench_plan", "summarize", "sweep_points"]
+__all__ = ["MODES", "child_result", "exact_tokens", "resident_best", "run_bench_plan", "summarize", "sweep_points"]
 
 CHILD = "gds_offload.bench.weights.plan_child"
 MODES = ("planned", "naive", "resident", "sweep")
@@ -49,14 +49,14 @@ RESIDENT_PROBES = (16, 32, 64, 128, 256, 512)  # up to the workload's prompts; i
 SWEEP_POINTS = 12
 
 
-def _child(spec: dict[str, Any], *, memory_limit: int | None, timeout_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+def child_result(spec: dict[str, Any], *, memory_limit: int | None, timeout_s: float, say: Callable[[str], None]) -> dict[str, Any]:
     """One mode in its own process (under ``memory_limit`` if given) after dropping the weights' page cache."""
     evict(weight_files(Path(spec["checkpoint"]), Path(spec["store"])))
     run = procs.run_child(procs.child_command(CHILD, json.dumps(spec)), env=child_env(), memory_limit=memory_limit, timeout_s=timeout_s)
     ev = run.last("result")
     if ev is None:
         say(f"{spec['mode']}: {run.failure()}")
-        out: dict[str, Any] = {"mode": spec["mode"], "error": run.failure()}
+        out: dict[str, Any] = {"mode": spec["mode"], "error": run.failure(), "returncode": run.returncode}
     else:
         out = dict(ev["result"])
     if run.cap is not None:
@@ -95,15 +95,15 @@ def run_bench_plan(
     results = doc["results"]
     if "planned" in modes:
         say("planned: the whole workload, capped")
-        results["planned"] = _child(base | {"mode": "planned", "measure_prompts": prompts, "plan": chosen.as_dict()},
+        results["planned"] = child_result(base | {"mode": "planned", "measure_prompts": prompts, "plan": chosen.as_dict()},
                                     memory_limit=memory_limit, timeout_s=timeout_s, say=say)  # fmt: skip
-        results["planned"]["exact"] = _exact(results["planned"], base, timeout_s=timeout_s, say=say)
+        results["planned"]["exact"] = exact_tokens(results["planned"], base, timeout_s=timeout_s, say=say)
     if "naive" in modes:
         say(f"naive: batches of 8, slots=2, the first {subset} prompts, capped")
-        results["naive"] = _child(base | {"mode": "naive", "measure_prompts": subset, "batch": 8}, memory_limit=memory_limit,
+        results["naive"] = child_result(base | {"mode": "naive", "measure_prompts": subset, "batch": 8}, memory_limit=memory_limit,
                                   timeout_s=timeout_s, say=say)  # fmt: skip
     if "resident" in modes:
-        results["resident"], doc["resident_probes"] = _resident(base, prompts, new_tokens, timeout_s=timeout_s, say=say)
+        results["resident"], doc["resident_probes"] = resident_best(base, prompts, new_tokens, timeout_s=timeout_s, say=say)
     for peer in peers:
         results[peer] = _peer(peer, ckpt, workdir, subset, prompt_len, new_tokens, memory_limit, timeout_s=timeout_s, say=say)
     if "sweep" in modes:
@@ -135,27 +135,27 @@ def _peer(peer: str, ckpt: Path, workdir: Path, subset: int, prompt_len: int, ne
     return out
 
 
-def _exact(planned: dict[str, Any], base: dict[str, Any], *, timeout_s: float, say: Callable[[str], None]) -> bool | None:
+def exact_tokens(planned: dict[str, Any], base: dict[str, Any], *, timeout_s: float, say: Callable[[str], None]) -> bool | None:
     """The resident model on the planned run's first micro-batches (same padding, same prefill
     chunk): ``True`` when every token is equal; ``None`` when the planned run failed."""
     check = planned.get("check") or []
     if not check:
         return None
     say("exactness: the resident model on the planned run's first micro-batches")
-    ref = _child(base | {"mode": "reference", "measure_prompts": 0, "reference": [[c["ids"], c["mask"], c["chunk"]] for c in check]},
+    ref = child_result(base | {"mode": "reference", "measure_prompts": 0, "reference": [[c["ids"], c["mask"], c["chunk"]] for c in check]},
                  memory_limit=None, timeout_s=timeout_s, say=say)  # fmt: skip
     want = ref.get("reference_tokens") or []
     return len(want) == len(check) and all(c["tokens"] == w for c, w in zip(check, want))
 
 
-def _resident(base: dict[str, Any], prompts: int, new_tokens: int, *, timeout_s: float,
+def resident_best(base: dict[str, Any], prompts: int, new_tokens: int, *, timeout_s: float,
               say: Callable[[str], None]) -> tuple[dict[str, Any], dict[int, float]]:  # fmt: skip
     """The resident model's best batch (probes: its prefill and 4 tokens at each size, projected
     to the workload), then the whole workload at it."""
     probes: dict[int, float] = {}
     for b in (p for p in RESIDENT_PROBES if p <= prompts):
         say(f"resident: probing batch {b} (uncapped)")
-        r = _child(base | {"mode": "resident", "measure_prompts": b, "batch": b, "new_tokens": min(new_tokens, 4)},
+        r = child_result(base | {"mode": "resident", "measure_prompts": b, "batch": b, "new_tokens": min(new_tokens, 4)},
                    memory_limit=None, timeout_s=timeout_s, say=say)  # fmt: skip
         if "error" in r or not r.get("decode_s"):
             break
@@ -165,7 +165,7 @@ def _resident(base: dict[str, Any], prompts: int, new_tokens: int, *, timeout_s:
             break  # slower than a smaller batch: larger ones will not win
     best = max(probes, key=lambda k: probes[k]) if probes else 8
     say(f"resident: the workload at batch {best} (uncapped)")
-    out = _child(base | {"mode": "resident", "measure_prompts": prompts, "batch": best}, memory_limit=None, timeout_s=timeout_s, say=say)
+    out = child_result(base | {"mode": "resident", "measure_prompts": prompts, "batch": best}, memory_limit=None, timeout_s=timeout_s, say=say)
     return out, probes
 
 
@@ -180,7 +180,7 @@ def _sweep(chosen: Plan, base: dict[str, Any], sweep_prompts: int, memory_limit:
         say(f"sweep {i + 1}/{len(points)}: {c.per_load} x {c.micro_batch}, {c.resident_layers} resident, {c.slots} slots, KV {c.kv.value}"
             f"{f', chunk {c.prefill_chunk}' if c.prefill_chunk else ''}")  # fmt: skip
         shape = asdict(c) | {"kv": c.kv.value}
-        r = _child(base | {"mode": "sweep", "prompts": sweep_prompts, "measure_prompts": sweep_prompts, "choice": shape},
+        r = child_result(base | {"mode": "sweep", "prompts": sweep_prompts, "measure_prompts": sweep_prompts, "choice": shape},
                    memory_limit=memory_limit, timeout_s=timeout_s, say=say)  # fmt: skip
         e = estimate(chosen.profile, small, c, memory_limit)
         r.setdefault("choice", shape)  # a child that died reported none

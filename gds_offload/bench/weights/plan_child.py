@@ -10,6 +10,8 @@ every batch of a mode has the same shape, so its rate is the workload's):
 * ``planned``: the plan ``gds_offload.weights.plan`` made under the cap (in the parent, before: as
   ``gds-offload plan`` would), applied with ``load_streamed(plan=)`` and ``generate_many``; the
   plan's prediction is reported beside the measurement;
+* ``pretrained``: what a user runs under the cap: ``from_pretrained(memory=the cap, workload=...)``
+  measures, plans and loads inside this capped process, then ``generate_many`` with its plan;
 * ``sweep``: ``generate_many`` at a given choice (micro-batch, per load, resident layers, slots, KV);
 * ``reference``: the resident model generating given micro-batches, for the exactness check.
 
@@ -33,11 +35,11 @@ import torch
 import transformers
 
 from gds_offload.bench import procs
-from gds_offload.weights import Plan, as_reference, load_streamed
+from gds_offload.weights import Generate, Plan, as_reference, from_pretrained, load_streamed
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.workload import Choice
 
-MODES = ("resident", "naive", "planned", "sweep", "reference")
+MODES = ("resident", "naive", "planned", "pretrained", "sweep", "reference")
 
 
 @dataclass(frozen=True)
@@ -165,15 +167,22 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
         if spec.mode == "planned":
             assert spec.plan is not None, "the planned mode runs the plan gds-offload plan made (uncapped, before)"
             chosen = Plan.from_dict(spec.plan)
+            lm = load_streamed(_skeleton(store), store, plan=chosen)
+        elif spec.mode == "pretrained":
+            assert spec.memory_limit is not None, "the pretrained mode plans under the cap it runs in"
+            workload = Generate(spec.prompts, spec.prompt_len, spec.new_tokens)
+            lm = from_pretrained(ckpt, store=store, memory=spec.memory_limit, workload=workload, progress=False)
+            chosen = lm.plan
+        if spec.mode in ("planned", "pretrained"):
             choice = chosen.choice
             predicted = chosen.predicted
             result["plan"] = chosen.as_dict() | {"describe": chosen.describe()}
-            lm = load_streamed(_skeleton(store), store, plan=chosen)
         else:
             c = dict(spec.choice or {})
             c["kv"] = KVPlacement(c.get("kv", "device"))
             choice = Choice(**c)
             lm = load_streamed(_skeleton(store), store, slots=choice.slots, resident_layers=choice.resident_layers)
+        assert lm is not None
         model = lm.model
     result["load_s"] = time.perf_counter() - t_load
     if spec.mode == "reference":
