@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
+from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.weights.bench import prepare
 from gds_offload.bench.weights.plan_bench import child_result, exact_tokens, resident_best
 from gds_offload.units import format_bytes
@@ -249,8 +250,6 @@ def plot_matrix(doc: dict[str, Any], out: Path) -> Path:
 
 def document(doc: dict[str, Any], *, command: str, commit: str | None, machine: dict[str, Any], started: float, title: str | None) -> dict[str, Any]:
     """The result file: the cells, a table, and a target row per cell."""
-    from gds_offload.bench.docs.stale import exercised_paths
-
     w = doc["workload"]
     about = (f"The planner on {len(doc['shapes'])} model shapes (transformers configs, random fp32 weights: "
              f"{'; '.join(s['what'] for s in doc['shapes'])}) at {' and '.join(f'{c:g}x' for c in doc['caps'])} of each one's weight bytes. "
