@@ -38,9 +38,11 @@ def test_a_chunked_prefill_is_priced_on_the_last_chunks_cache() -> None:
     assert peak_nbytes(heavy, W, whole) == peak_nbytes(p, W, whole)
 
 
-def test_every_suspended_member_keeps_two_copies_of_its_logits() -> None:
+def test_every_suspended_member_keeps_two_copies_of_its_logits_and_the_computing_one_four() -> None:
+    """Suspended: generate's fp32 copy and the processed scores. Computing, inside min_new_tokens'
+    processor: the model's logits, the fp32 copy, the processor's clone and its masked output."""
     p = _profile()
     one, four = Choice(16, 1, 0, 2, KVPlacement.DRIVE, 2), Choice(16, 4, 0, 2, KVPlacement.DRIVE, 2)
     zero = replace(p, logits_nbytes=0)
-    assert peak_nbytes(p, W, four) - peak_nbytes(zero, W, four) == (2 * 64 + 16) * 128000
-    assert peak_nbytes(p, W, one) - peak_nbytes(zero, W, one) == (2 * 16 + 16) * 128000
+    assert peak_nbytes(p, W, four) - peak_nbytes(zero, W, four) == (2 * 64 + 2 * 16) * 128000
+    assert peak_nbytes(p, W, one) - peak_nbytes(zero, W, one) == (2 * 16 + 2 * 16) * 128000

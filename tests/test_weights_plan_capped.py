@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,3 +75,31 @@ def test_a_measuring_child_killed_by_the_kernel_is_named_with_the_limit(ckpt_sto
     done, _ = _capped(ckpt, store, "isolate")
     assert done.returncode != 0
     assert f"the measuring process was killed (SIGKILL), most likely by the kernel's out-of-memory killer at this process group's memory limit of {CAP_MIB} MiB" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def large_resident() -> Iterator[tuple[Path, Path]]:
+    """The tiny Llama with a 400k vocabulary, untied: a resident group of about 200 MiB, which
+    this process and the cap cannot hold together."""
+    from helpers.disks import real_disk_base
+    from helpers.llama import llama_config, save_checkpoint
+
+    from gds_offload.weights import convert
+
+    base = real_disk_base() / f"gds_offload-plan-capped-vocab-{os.getpid()}"
+    ckpt = save_checkpoint(llama_config(vocab_size=400_000), base / "ckpt")
+    convert(ckpt, base / "store")
+    try:
+        yield ckpt, base / "store"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_memory_below_the_resident_group_is_refused_before_it_is_loaded(large_resident: tuple[Path, Path]) -> None:
+    """The floor is known from the store before anything is loaded: the process is refused with the
+    memory to give, not killed while loading the resident group (it was, checked only after the load)."""
+    ckpt, store = large_resident
+    done, peak = _capped(ckpt, store)
+    assert done.returncode == 1, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "memory counts this whole process" in done.stderr and "give at least" in done.stderr, done.stderr[-2000:]
+    assert peak < (CAP_MIB << 20)

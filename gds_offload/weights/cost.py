@@ -106,9 +106,11 @@ def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
     decode = _kv_nbytes(p, c, seqs, w.prompt_len + w.new_tokens, 1) + 2 * seqs * p.hidden_nbytes + p.decode_transient_nbytes * b
     # Each member suspended at a hand-over keeps generate's fp32 copy of its last logits and the
     # processed scores (a new tensor whenever a logits processor runs: min_new_tokens, temperature,
-    # top-k, ...); the member computing its head holds its logits as the model returns them too.
+    # top-k, ...); the member computing its head holds its logits as the model returns them too,
+    # and a processor's input beside its output (min_new_tokens clones the scores, then masks them
+    # into a new tensor: four vocabulary-sized rows a sequence at that moment).
     members = math.ceil(seqs / b)  # threads alive at once, each with its libraries' caches
-    return int(weights + max(prefill, decode) + (2 * seqs + b) * p.logits_nbytes + (members - 1) * p.member_nbytes)
+    return int(weights + max(prefill, decode) + (2 * seqs + 2 * b) * p.logits_nbytes + (members - 1) * p.member_nbytes)
 
 
 def _kv_nbytes(p: Profile, c: Choice, seqs: int, positions: int, new: int) -> int:

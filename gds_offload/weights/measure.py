@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,11 +43,12 @@ from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes, parse_bytes
 from gds_offload.weights.adapters import unwrap
 from gds_offload.weights.generation import cache_argument
-from gds_offload.weights.malloc import predictable_malloc
-from gds_offload.weights.planner import Plan, check_feasible, check_floor, choose
+from gds_offload.weights.malloc import predictable_malloc, release_free
+from gds_offload.weights.manifest import read_manifest
+from gds_offload.weights.planner import Plan, check_feasible, check_floor, choose, least_peak
 from gds_offload.weights.skeleton import empty_model
 from gds_offload.weights.stream import load_streamed
-from gds_offload.weights.workload import Finetune, Fit, Generate, Profile, Workload, profile_from
+from gds_offload.weights.workload import HEADROOM, Finetune, Fit, Generate, Profile, Workload, profile_from
 
 __all__ = ["SETTLED", "measure", "main", "memory_limit", "plan", "settled", "trust"]
 
@@ -58,6 +60,11 @@ _RUNS = 3
 SETTLED = 1.25
 _MAX_RUNS = 9
 _JITTER_S = 1e-3
+#: What loading a streamed model adds to a process beyond its resident group and its ring (the
+#: engines' threads, the skeleton's computed buffers, the allocator's first arenas): 8-12 MiB
+#: measured on the CPU here, from a 4-layer Llama to a 40-layer Granite. The floor said before the
+#: load counts it, so that the one said after the load, with what it measured, is rarely higher.
+LOAD_NBYTES = 16 << 20
 
 
 def measure(
@@ -100,8 +107,9 @@ def measure(
             return profile_from(_child(spec, progress or (lambda what: None), stack))
     finally:
         # The measured model and its hooks reference each other: only the cycle collector frees
-        # them, and the run this plan is for loads the model again (a second resident group).
-        gc.collect()
+        # them, and the run this plan is for loads the model again (a second resident group). The
+        # heap's free memory goes back too: the run's base is what the plan counted, not its leftovers.
+        release_free()
 
 
 def _in_child(spec: dict[str, Any], progress: Callable[[str], None] | None) -> dict[str, Any]:
@@ -233,11 +241,27 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         after = lm.stats().compute_s
         return (after[0] - before[0] + after[1] - before[1]) / 2, max(peak() - base_now, 0)
 
-    prefill, decode = [], []
+    prefill: list[tuple[int, float, int]] = []
+    decode: list[tuple[int, float, int]] = []
     unsettled: list[str] = []
     load_before = _load()
     cap = spec["prompts"]
-    for b in sorted({min(1, cap), min(4, cap), min(16, cap)}):
+    text = cfg.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = 2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    room = _room(spec, device)
+
+    def fits(b: int, per_row: float, rows: int, cached: int = 0) -> bool:
+        """A size after the two smallest is measured only if its memory, priced from the sizes measured
+        before it (``per_row`` bytes a row, ``rows`` rows) and ``cached`` positions of a random cache
+        of two layers (and its copy as a forward extends it), fits what the plan's memory leaves:
+        the measurement must fit where its plan does, and a larger size would not fit the plan either."""
+        return rows * per_row + 2 * 2 * b * cached * kv <= room
+
+    for i, b in enumerate(sorted({min(1, cap), min(4, cap), min(16, cap)})):
+        if i >= 2 and not fits(b, max(m / r for r, _, m in prefill), b * prompt_len):
+            break
         say(f"prefill of {b} x {prompt_len} tokens")
         ids = torch.randint(0, vocab, (b, prompt_len), device=device)
         two_layers(functools.partial(model, ids))  # warm-up: first-touch costs
@@ -270,6 +294,8 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         chunk = max(prompt_len // 4, 1)
         past = max((prompt_len - chunk) // 2, 1)  # a chunked prefill's mean cache
         sizes = sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)})  # up to half the largest whole prompts' tokens
+        per_token = max(m / r for r, _, m in prefill)
+        sizes = sizes[:2] + [b for b in sizes[2:] if fits(b, per_token, b * chunk, prompt_len)]
         for b in sizes:
             say(f"prefill chunks of {b} x {chunk} tokens on {past} cached")
             chunked.append((b * chunk, on_cache(b, chunk, past)[0]))
@@ -278,20 +304,21 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
         say(f"the last prefill chunk's memory: {sizes[-1]} x {chunk} tokens on {prompt_len - chunk} cached")
         chunked_peak = peak_on_cache(sizes[-1], chunk, prompt_len - chunk) / (sizes[-1] * chunk)
     ctx = prompt_len + new_tokens // 2
-    for b in sorted({min(8, cap), min(32, cap), min(128, cap)}):
+    for i, b in enumerate(sorted({min(8, cap), min(32, cap), min(128, cap)})):
+        if i >= 2 and not fits(b, max(m / r for r, _, m in decode), b, prompt_len + new_tokens):
+            break
         say(f"decode of {b} sequences at {ctx} positions")
         decode.append((b, *on_cache(b, 1, ctx)))
     last = prompt_len + new_tokens - 1  # the last decode step's cache: its memory is the decode's peak
     say(f"the last decode step's memory: {decode[-1][0]} sequences at {last + 1} positions")
     decode_peak = peak_on_cache(decode[-1][0], 1, last) / decode[-1][0]
     say("the memory a suspended micro-batch's thread keeps")
-    member = _member_overhead(model, cfg, dtype, device, decode[-1][0], ctx, vocab, reset, peak)
+    # Each member's step ends in the head: its logits (4 bytes a vocabulary entry) beside the decode's memory.
+    per_seq = max(m / r for r, _, m in decode) + vocab * 4
+    member_b = max([b for b, _, _ in decode if fits(b, per_seq, b, ctx)] or [decode[0][0]])
+    member = _member_overhead(model, cfg, dtype, device, member_b, ctx, vocab, reset, peak)
     stop.remove()
-    head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), min(64, cap)}))
-    text = cfg.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = 2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    head = _time_head(model, cfg, dtype, device, sizes=sorted({min(8, cap), *([min(64, cap)] if fits(64, vocab * 4, min(64, cap)) else [])}))
     lm.close()
     return {
         "device": str(device),
@@ -317,15 +344,31 @@ def _child(spec: dict[str, Any], say: Callable[[str], None], stack: contextlib.E
     }
 
 
-def _check_floor(spec: dict[str, Any], cfg: Any, stats: Any, base: int) -> None:
-    """:func:`~gds_offload.weights.planner.check_floor` for ``spec``'s memory, if it has one."""
+def _check_floor(spec: dict[str, Any], cfg: Any, layer_nbytes: int, resident_nbytes: int, base: int) -> int:
+    """:func:`~gds_offload.weights.planner.check_floor` for ``spec``'s memory, if it has one; the
+    ring's slots to measure with: two (a read beside compute, as the runs it plans for), or one
+    where the smallest plan of two slots would pass the memory (the measurement must fit where
+    the plan it makes does)."""
     if spec.get("memory") is None:
-        return
+        return 2
     w = spec["workload"]
     workload: Workload = Finetune(**w) if w.get("kind") == "finetune" else Generate(**w)
     text = cfg.get_text_config(decoder=True)
-    check_floor(text.to_dict(), workload, spec["memory"], layers=text.num_hidden_layers, layer_nbytes=stats.slot_nbytes,
-                resident_nbytes=stats.resident_nbytes, base_nbytes=base)  # fmt: skip
+    sizes = {"layers": text.num_hidden_layers, "layer_nbytes": layer_nbytes, "resident_nbytes": resident_nbytes, "base_nbytes": base}
+    check_floor(text.to_dict(), workload, spec["memory"], **sizes)
+    return 2 if least_peak(text.to_dict(), workload, slots=2, **sizes) <= spec["memory"] * HEADROOM else 1
+
+
+def _held(device: torch.device) -> int:
+    """What this process holds where the plan's memory is counted: anonymous and shared memory on
+    the CPU (the libraries' file pages are what a memory limit reclaims first), allocated memory on a GPU."""
+    return _rss("RssAnon") + _rss("RssShmem") if device.type == "cpu" else torch.cuda.memory_allocated(device)
+
+
+def _room(spec: dict[str, Any], device: torch.device) -> float:
+    """What the measurement may add to what this process holds now and stay inside the plan's
+    memory (its usable share, :data:`~gds_offload.weights.workload.HEADROOM`); unbounded without one."""
+    return math.inf if spec.get("memory") is None else spec["memory"] * HEADROOM - _held(device)
 
 
 def settled(run: Callable[[], tuple[float, int]], what: str, unsettled: list[str]) -> tuple[float, int]:
@@ -437,23 +480,30 @@ class _StopWith(Exception):
 
 
 def _loaded(model: Any, store: Path, device: torch.device, engine: str, what: str, say: Callable[[str], None],
-            stack: contextlib.ExitStack, check: Callable[[Any, int], None]) -> tuple[Any, Any, Any, Any, int, tuple[int, float]]:  # fmt: skip
-    """``model`` streamed from ``store`` with two slots, checked to stream at least 3 layers, settled,
+            stack: contextlib.ExitStack, check: Callable[[int, int, int], int]) -> tuple[Any, Any, Any, Any, int, tuple[int, float]]:  # fmt: skip
+    """``model`` streamed from ``store`` with the slots ``check`` returns (it refuses a memory below
+    the floor, before the load and again after it, with what the load measured), checked to stream at least 3 layers, settled,
     and its ``stats()`` then; the device's peak reset and read back (``reset``, ``peak``), the memory held before any forward
     less the ring (``base``), and three layers' reads timed: ``(nbytes, seconds)``."""
     say(what)
-    lm = load_streamed(model, store, device=device, slots=2, engine=engine)
+    # The floor is known before anything is loaded (the manifest's resident group and largest layer,
+    # this process as it is): a limit below it would kill the load before the check after it.
+    manifest = read_manifest(store)
+    resident = manifest.resident.nbytes if manifest.resident else 0
+    before = _held(device) + resident + LOAD_NBYTES
+    slots = check(max((g.padded_nbytes for g in manifest.layers), default=0), resident, before)
+    lm = load_streamed(model, store, device=device, slots=slots, engine=engine)
     stack.callback(lm.close)
     stats = lm.stats()
     if len(stats.streamed_layers) < 3:
         raise ConfigError(f"{store} streams {len(stats.streamed_layers)} layers; the profile needs at least 3")
     lm.settle()
     reset, peak = _device_peak(device)
-    ring = stats.slots * stats.slot_nbytes
     # On the CPU, the anonymous memory: the libraries' file pages (about 0.1 GiB with torch) are
     # what a memory limit reclaims first, and counting them put every predicted peak a tenth high.
-    base = (_rss("RssAnon") + _rss("RssShmem") - ring) if device.type == "cpu" else torch.cuda.memory_allocated(device) - ring
-    check(stats, base)  # before anything is read or timed
+    base = _held(device) - stats.slots * stats.slot_nbytes
+    # Before anything is read or timed; never a lower floor than the one said before the load (one number).
+    check(stats.slot_nbytes, stats.resident_nbytes, max(base, before))
     say("reading layers from the drive")
     return lm, stats, reset, peak, base, lm.read_layers(3)
 

@@ -51,7 +51,7 @@ from gds_offload.weights.manifest import read_manifest
 from gds_offload.weights.options import KVPlacement
 from gds_offload.weights.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from
 
-__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "as_plan", "at_least", "check_feasible", "check_floor", "choose", "estimate", "variant"]
+__all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "as_plan", "at_least", "check_feasible", "check_floor", "choose", "estimate", "least_peak", "variant"]
 
 
 @dataclass(frozen=True)
@@ -324,14 +324,21 @@ def check_floor(config: dict[str, Any], workload: Workload, memory: int, *, laye
     Raises:
         ConfigError: naming what counts and the memory to give (:func:`at_least`).
     """
-    rough = _rough_profile(config, layers, layer_nbytes, resident_nbytes, base=base_nbytes)
-    least = min(_peak(rough, workload, c) for c in _shapes(workload, kv=(KVPlacement.DEVICE, KVPlacement.DRIVE)))
+    least = least_peak(config, workload, layers=layers, layer_nbytes=layer_nbytes, resident_nbytes=resident_nbytes, base_nbytes=base_nbytes)
     if memory * HEADROOM < least:
         raise ConfigError(
             f"memory={format_bytes(memory)} is below what any plan needs: memory counts this whole process, and the smallest "
             f"plan needs about {format_bytes(least)}: this process with the resident group loaded ({format_bytes(base_nbytes)}), "
             f"a layer ({format_bytes(layer_nbytes)}) and one sequence's activations; give at least {at_least(least)}"
         )
+
+
+def least_peak(config: dict[str, Any], workload: Workload, *, layers: int, layer_nbytes: int, resident_nbytes: int, base_nbytes: int,
+               slots: int | None = None) -> float:  # fmt: skip
+    """The smallest plan's peak (:func:`check_floor`'s rule), among plans of ``slots`` ring slots if given."""
+    rough = _rough_profile(config, layers, layer_nbytes, resident_nbytes, base=base_nbytes)
+    shapes = _shapes(workload, kv=(KVPlacement.DEVICE, KVPlacement.DRIVE))
+    return min(_peak(rough, workload, c) for c in shapes if slots is None or c.slots == slots)
 
 
 def at_least(peak: float) -> str:

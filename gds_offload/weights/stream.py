@@ -65,6 +65,7 @@ from torch import nn
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine
 from gds_offload.io.factory import make_engine
+from gds_offload.io.layout import Slot, align_up
 from gds_offload.io.release import release_when_collected
 from gds_offload.node.choice import choose_engine
 from gds_offload.weights.accumulate import accumulate
@@ -87,7 +88,7 @@ from gds_offload.weights.recompute import Recompute
 from gds_offload.weights.ring import HostRing, Ring, make_read_engine, make_ring, wait_read
 from gds_offload.weights.schedule import Team
 from gds_offload.weights.store_config import generation_config
-from gds_offload.weights.storefile import StoreFiles, read_group, resolve_dirs
+from gds_offload.weights.storefile import StoreFiles, resolve_dirs
 from gds_offload.weights.stream_stats import StreamStats
 from gds_offload.weights.turn import PassForward, Turn, claim, guard_closed
 
@@ -97,6 +98,9 @@ __all__ = ["load_streamed", "StreamedModel", "StreamStats", "Tier"]
 #: Half the posix engine's default, since these reads compete with the model for a small
 #: VM's cores. On a GPU the engine's own default applies (KvikIO: 16).
 DEFAULT_THREADS = 4
+#: :meth:`StreamedModel.read_layers` reads a larger layer in pieces of this size (each many engine
+#: tasks: the drive's rate, without a second buffer the size of a layer).
+READ_PIECE = 64 << 20
 
 
 def load_streamed(
@@ -315,21 +319,27 @@ class StreamedModel(LayerHooks):
         """The streamed layers, in order."""
         return list(self._layers)
 
-    def read_layers(self, count: int) -> tuple[int, float]:
+    def read_layers(self, count: int, *, piece_nbytes: int = READ_PIECE) -> tuple[int, float]:
         """Read the first ``count`` streamed layers from the store through the ring's engine, one
         after another, into one buffer of the ring's kind outside the ring (touched once before, as
         a slot is); ``(bytes, seconds)``. The ring's fills are settled first, so the drive does
-        nothing else meanwhile."""
+        nothing else meanwhile. A layer larger than ``piece_nbytes`` is read in aligned pieces of
+        that size into a buffer of that size: the bytes are discarded, and a buffer of a whole
+        layer would raise this process's peak by a layer beyond what a run holds."""
         ring = self._ring
         if ring is None or not self._streamed or not isinstance(ring, HostRing):
             raise ConfigError("this StreamedModel reads no layer from the drive per forward (tier='host', or none streamed)")
         with held(), self._turn.holding(wait=True):
             self.settle()
             groups = self._streamed[:count]
-            buf = ring.scratch(max(g.padded_nbytes for g in groups))
+            piece = min(max(g.padded_nbytes for g in groups), align_up(piece_nbytes))
+            buf = ring.scratch(piece)
             start = time.perf_counter()
             for g in groups:
-                wait_read(g, read_group(ring.engine, self._files, g, buf, verify=False))
+                whole = self._files.slot(g)
+                for at in range(0, whole.nbytes, piece):
+                    n = min(piece, whole.nbytes - at)
+                    wait_read(g, ring.engine.read(buf[:n], Slot(whole.file, whole.offset + at, n)))
             return sum(g.padded_nbytes for g in groups), time.perf_counter() - start
 
     def train_layers(self, on_grad: Callable[[int, str, torch.Tensor], None]) -> None:
