@@ -21,18 +21,19 @@ def _cell(planned: dict, naive: dict, fraction: float = 0.85, cap: int = 800 * M
     return {"shape": "s", "fraction": fraction, "cap": cap, "weight_bytes": 1000 * MiB, "planned": planned, "naive": naive}
 
 
-GOOD = {"tokens_per_s": 50.0, "cap_peak_bytes": 700 * MiB, "predicted": {"tokens_per_s": 55.0, "peak_bytes": 690 * MiB}, "exact": True}
+GOOD = {"tokens_per_s": 50.0, "cap_peak_bytes": 760 * MiB, "peak_anon_bytes": 700 * MiB, "predicted": {"tokens_per_s": 55.0, "peak_bytes": 690 * MiB}, "exact": True}
 
 
 def test_a_cell_meets_its_targets_from_its_ratios() -> None:
     cell = _cell(GOOD, {"tokens_per_s": 20.0})
     cell["values"] = cell_values(cell, {"tokens_per_s": 60.0})
     v = cell["values"]
-    assert v["cap_over_peak"] == pytest.approx(800 / 700) and v["predicted_peak_over_peak"] == pytest.approx(690 / 700)
+    # the cap against the group's peak (page cache included), the prediction against the anonymous peak it counts
+    assert v["cap_over_peak"] == pytest.approx(800 / 760) and v["predicted_peak_over_peak"] == pytest.approx(690 / 700)
     assert v["prediction_accuracy"] == pytest.approx(0.9) and v["planned_over_naive"] == 2.5 and v["planned_over_resident"] == pytest.approx(50 / 60)
     rows = cell_targets({"cells": [cell]})
     assert [r["met"] for r in rows] == [True, True, True, True, True]
-    over = _cell(GOOD | {"cap_peak_bytes": 730 * MiB}, {"tokens_per_s": 20.0})  # above the predicted peak x 1.05
+    over = _cell(GOOD | {"peak_anon_bytes": 730 * MiB}, {"tokens_per_s": 20.0})  # above the predicted peak x 1.05
     over["values"] = cell_values(over, {"tokens_per_s": 60.0})
     assert [r["met"] for r in cell_targets({"cells": [over]})][1] is False
 
@@ -47,6 +48,21 @@ def test_a_killed_or_refused_plan_fails_its_cell() -> None:
     small["values"] = cell_values(small, {"tokens_per_s": 60.0})
     rows = cell_targets({"cells": [small]})
     assert len(rows) == 4 and all(r["met"] is False for r in rows)  # planned / resident is judged at 0.85x only
+
+
+def test_a_cap_below_every_plan_is_refused_up_front_and_shown_out_of_reach() -> None:
+    """Refused with the least memory to give (exit 1, before loading) is not a kill: the cell's
+    never-killed target is met, the others are out of reach, the refusal's figure beside them."""
+    error = "exit code 1: gds_offload.errors.ConfigError: memory=562 MiB is below what any plan needs: ...; give at least 651 MiB"
+    cell = _cell({"mode": "pretrained", "error": error, "returncode": 1}, {"error": "killed by SIGKILL", "returncode": -9}, fraction=0.6)
+    cell["values"] = cell_values(cell, {"tokens_per_s": 60.0})
+    rows = cell_targets({"cells": [cell]})
+    assert [r["met"] for r in rows] == [True, False, False, False] and {r["refused"] for r in rows} == {"651 MiB"}
+    page = "\n".join(render_section(Section(Path("m.json"), {"kind": "table", "title": "m", "command": "c", "targets": rows}), Path(".")))
+    assert "met: refused before loading, naming the least memory to give (651 MiB)" in page
+    assert page.count("out of reach here: the cap is below the least memory any plan needs (651 MiB)") == 3
+    killed = {"mode": "pretrained", "error": error.replace("exit code 1", "killed by SIGKILL"), "returncode": -9}
+    assert not any("refused" in r for r in cell_targets({"cells": [_cell(killed, {}, fraction=0.6) | {"values": {}}]}))
 
 
 def test_the_shapes_are_four_architectures_and_their_tiny_twins_keep_them() -> None:

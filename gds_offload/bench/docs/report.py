@@ -288,7 +288,10 @@ def _targets(doc: dict[str, Any]) -> list[str]:
     out = ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for t in targets:
         value = t.get("value")
-        if t.get("met") is None:
+        if t.get("refused"):
+            verdict = (f"met: refused before loading, naming the least memory to give ({t['refused']})" if t["met"] else
+                       f"out of reach here: the cap is below the least memory any plan needs ({t['refused']}), said in the same run")  # fmt: skip
+        elif t.get("met") is None:
             verdict = "not run"
         elif t["met"]:
             verdict = "met"
@@ -308,7 +311,10 @@ def _md(cell: object) -> str:
 
 
 def out_of_reach(target: dict[str, Any]) -> bool:
-    """A missed target one of whose bounds (:data:`CEILINGS`) is below its need."""
+    """A missed target one of whose bounds (:data:`CEILINGS`) is below its need, or that could not
+    run because the memory given was below the least any plan needs (``refused``)."""
+    if target.get("refused") and not target.get("met"):
+        return True
     bounds = [target[k] for k, _ in CEILINGS if target.get(k) is not None]
     return not target.get("met") and bool(bounds) and min(bounds) < target["need"]
 

@@ -133,6 +133,41 @@ def _peak_rss() -> int:
     return 0
 
 
+class AnonPeak:
+    """This process's largest anonymous and shared memory (``RssAnon + RssShmem``: what a plan's
+    predicted peak counts; the libraries' file pages are left out, as the planner leaves them), sampled
+    every ``interval_s`` on a daemon thread from :meth:`start` to :meth:`stop`. A spike shorter than
+    the interval can be missed: the sampled peak is a lower bound of the true one."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.peak = interval_s, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="anon-peak", daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        held = 0
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                held += int(line.split()[1]) * 1024
+        return held
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self.peak = max(self.peak, self.now())
+
+    def start(self) -> AnonPeak:
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+        return self.peak
+
+
 def _skeleton(store: Path) -> Any:
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()
@@ -155,6 +190,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
     prompts = make_prompts(cfg.vocab_size, spec)[: spec.measure_prompts]
     result: dict[str, Any] = {"mode": spec.mode, "prompts_measured": len(prompts), "new_tokens": spec.new_tokens}
     t_load = time.perf_counter()
+    anon = AnonPeak().start()
     lm = None
     predicted = None
     model: Any
@@ -192,7 +228,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
                 seqs = model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=spec.new_tokens,
                                       min_new_tokens=spec.new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)  # fmt: skip
                 ref_out.append(seqs[:, len(ids[0]) :].tolist())
-        return result | {"reference_tokens": ref_out}
+        return result | {"reference_tokens": ref_out, "peak_anon_bytes": anon.stop()}
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     clock = PhaseClock(decoder, list(decoder.layers), spec.prompt_len)
     clock.start()
@@ -218,7 +254,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
     result |= {"total_s": total, "prefill_s": clock.prefill_s, "decode_s": clock.decode_s, "generated": generated,
                "tokens_per_s": generated / total, "prefill_tokens_per_s": len(prompts) * spec.prompt_len / clock.prefill_s if clock.prefill_s else None,
                "decode_tokens_per_s": (generated - len(prompts)) / clock.decode_s if clock.decode_s else None,
-               "peak_rss_bytes": _peak_rss()}  # fmt: skip
+               "peak_rss_bytes": _peak_rss(), "peak_anon_bytes": anon.stop(), "peak_anon_interval_s": anon.interval_s}  # fmt: skip
     if lm is not None:
         s = lm.stats()
         result |= {"bytes_read": s.bytes_read + s.kv_bytes_read, "bytes_written": s.kv_bytes_written, "weight_bytes_read": s.bytes_read,

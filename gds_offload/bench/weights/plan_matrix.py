@@ -21,6 +21,7 @@ the resident model's best batch at the larger cap, at least 2x naive streaming, 
 """
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -147,18 +148,28 @@ def run_matrix(
             "resident": residents, "cells": cells}  # fmt: skip
 
 
+def refused(planned: dict[str, Any]) -> int | None:
+    """The least memory ``from_pretrained`` said to give, in bytes, where it refused the cap (exit
+    code 1 with its ``ConfigError``), before loading anything; ``None`` where it did not refuse."""
+    found = re.search(r"give at least (\d+) MiB", planned.get("error") or "")
+    return int(found.group(1)) * MiB if found and planned.get("returncode") == 1 else None
+
+
 def cell_values(cell: dict[str, Any], resident: dict[str, Any]) -> dict[str, float | None]:
-    """The ratios :data:`TARGETS` judges, for one cell (``None`` where the run that gives it failed)."""
+    """The ratios :data:`TARGETS` judges, for one cell (``None`` where the run that gives it failed).
+    The cap is judged on the memory group's peak (page cache included: what the kernel enforces),
+    the predicted peak on the sampled anonymous peak (what the prediction counts,
+    :class:`~gds_offload.bench.weights.plan_child.AnonPeak`)."""
     p, naive = cell["planned"], cell["naive"]
-    tps, peak = p.get("tokens_per_s"), p.get("cap_peak_bytes")
+    tps, peak, anon = p.get("tokens_per_s"), p.get("cap_peak_bytes"), p.get("peak_anon_bytes")
     pred = p.get("predicted") or {}
     out: dict[str, float | None] = {k: None for _, k, _ in TARGETS}
     if p.get("returncode") is not None and p["returncode"] < 0:
         out["cap_over_peak"] = 0.0  # killed: the target fails, whatever the peak was
     elif peak and tps:
         out["cap_over_peak"] = cell["cap"] / peak
-    if peak and pred.get("peak_bytes"):
-        out["predicted_peak_over_peak"] = pred["peak_bytes"] / peak
+    if anon and pred.get("peak_bytes"):
+        out["predicted_peak_over_peak"] = pred["peak_bytes"] / anon
     if tps and pred.get("tokens_per_s"):
         out["prediction_accuracy"] = 1 - abs(pred["tokens_per_s"] / tps - 1)
     if tps and naive.get("tokens_per_s"):
@@ -174,12 +185,16 @@ def cell_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for cell in doc["cells"]:
         failed = not cell["planned"].get("tokens_per_s")
+        least = refused(cell["planned"])
         for name, key, need in TARGETS:
             if key == "planned_over_resident" and cell["fraction"] < 0.8:
                 continue
             value = cell["values"].get(key)
             met = None if value is None and not failed else (value is not None and value >= need)
-            rows.append({"target": f"{cell['shape']} @ {cell['fraction']:g}x: {name}", "need": need, "value": value, "met": met})
+            row = {"target": f"{cell['shape']} @ {cell['fraction']:g}x: {name}", "need": need, "value": value, "met": met}
+            if least is not None:  # below any plan's floor: refused up front, which is not a kill; nothing else can run
+                row |= {"met": key == "cap_over_peak", "refused": format_bytes(least)}
+            rows.append(row)
     return rows
 
 
@@ -190,17 +205,19 @@ def _fmt(x: float | None, f: str = "{:.1f}") -> str:
 def matrix_table(doc: dict[str, Any]) -> dict[str, Any]:
     """One row per cell: the cap, resident's best, naive, the plan's choice, measured and predicted tokens/s and peaks, exactness."""
     cols = ["shape", "cap (x weights)", "resident best tok/s", "naive tok/s", "from_pretrained: plan", "tok/s", "predicted tok/s",
-            "peak (cap group)", "predicted peak", "planned / resident", "planned / naive", "exact"]  # fmt: skip
+            "peak (cap group)", "anonymous peak (sampled)", "predicted peak", "planned / resident", "planned / naive", "exact"]  # fmt: skip
     rows = []
     for cell in doc["cells"]:
         res = doc["resident"][cell["shape"]]["result"]
         p, naive = cell["planned"], cell["naive"]
         pred = p.get("predicted") or {}
-        describe = (p.get("plan") or {}).get("describe") or (p.get("error") or "-")[:90]
+        least = refused(p)
+        describe = (p.get("plan") or {}).get("describe") or (f"refused before loading: give at least {format_bytes(least)}" if least
+                                                              else (p.get("error") or "-")[:90])  # fmt: skip
         rows.append([cell["shape"], f"{format_bytes(cell['cap'])} ({cell['fraction']:g}x)",
                      f"{_fmt(res.get('tokens_per_s'))} (batch {res.get('batch', '-')})", _fmt(naive.get("tokens_per_s")), describe,
                      _fmt(p.get("tokens_per_s")), _fmt(pred.get("tokens_per_s")), format_bytes(p.get("cap_peak_bytes")),
-                     format_bytes(pred.get("peak_bytes")),
+                     format_bytes(p.get("peak_anon_bytes")), format_bytes(pred.get("peak_bytes")),
                      _fmt(p["tokens_per_s"] / res["tokens_per_s"], "{:.2f}") if p.get("tokens_per_s") and res.get("tokens_per_s") else "-",
                      _fmt(cell["values"].get("planned_over_naive"), "{:.2f}"), {True: "yes", False: "NO", None: "-"}[p.get("exact")]])  # fmt: skip
     return {"columns": cols, "rows": rows}
