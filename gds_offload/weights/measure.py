@@ -15,6 +15,12 @@ as the run it plans for will hold it, and nothing beside it needs room under a m
 * memory: the process's resident set after loading (the base), and its peak (``VmHWM``, reset
   before each forward) above that during each one, per token (prefill) or sequence (decode).
 
+Under a memory limit the measurement fits where its plan does: the floor is checked from the
+store's manifest before anything is loaded (and again after, never lower), the ring gets one slot
+when two would pass the limit, and a size after the two smallest of each kind is measured only
+if its memory, priced from the smaller ones, fits what the limit leaves (a larger micro-batch
+would not fit the plan either; the fit extrapolates to it).
+
 The child prints one JSON object per line: ``{"event": "progress", ...}`` while it works, then
 ``{"event": "profile", ...}``.
 """
