@@ -15,16 +15,20 @@ first use, so ``gds_offload.check`` (``gds-check``) loads without torch.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
+from gds_offload._moved import install as _install_moved
 from gds_offload._version import __version__
+
+_install_moved()  # old module paths still import, with a DeprecationWarning (gds_offload._moved)
 
 if TYPE_CHECKING:
     from gds_offload import data, integrations, io, models, weights
     from gds_offload.activations.attach import attach, offloader_of
     from gds_offload.activations.config import OffloadConfig
     from gds_offload.activations.offloader import Offloader
-    from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError, OffloadAll, Plan
+    from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError, OffloadAll, OffloadDecisions
     from gds_offload.activations.spill.ranks import PerRank, per_rank, rank_env
     from gds_offload.activations.stats import LayerStats, OffloadStats
     from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError, SpillSpaceError
@@ -38,7 +42,7 @@ _EXPORTS = {
     "Adaptive": "gds_offload.activations.planning.policy",
     "OffloadAll": "gds_offload.activations.planning.policy",
     "BudgetError": "gds_offload.activations.planning.policy",
-    "Plan": "gds_offload.activations.planning.policy",
+    "OffloadDecisions": "gds_offload.activations.planning.policy",
     "per_rank": "gds_offload.activations.spill.ranks",
     "PerRank": "gds_offload.activations.spill.ranks",
     "rank_env": "gds_offload.activations.spill.ranks",
@@ -56,6 +60,10 @@ __all__ = ["__version__", *_EXPORTS, *_SUBPACKAGES]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Plan":  # the old name of OffloadDecisions, for one release (no cache: each use warns)
+        warnings.warn("gds_offload.Plan is now gds_offload.OffloadDecisions (Plan names the weight planner's, "
+                      "gds_offload.weights.Plan)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return importlib.import_module("gds_offload.activations.planning.policy").OffloadDecisions
     if name in _SUBPACKAGES:
         value = importlib.import_module(f"gds_offload.{name}")
     else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError, OffloadAll, Plan, Policy, UnitDecision
+from gds_offload.activations.planning.policy import Adaptive, Budget, BudgetError, OffloadAll, Policy, UnitDecision
+from gds_offload.activations.planning.policy import OffloadDecisions as Plan
 
 __all__ = ["Adaptive", "Budget", "BudgetError", "OffloadAll", "Plan", "Policy", "UnitDecision"]
 

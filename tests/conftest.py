@@ -33,8 +33,8 @@ from helpers.exact import TIMINGS
 from helpers.gates import ENGINE_MODES, ENGINES
 from helpers.skips import summary
 
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.io import make_engine
+from gds_offload.io.spill import SpillStore
 
 _WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

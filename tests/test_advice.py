@@ -36,17 +36,17 @@ COMMAND = re.compile(r"`((?:gds-offload|gds-check)\b[^`]*)`")
 #: Each suggested command in the sources, as ``(file, the command with "{}" for what is filled in)``:
 #: the test below that makes its error happen and runs it, or why none does here.
 SITES: dict[tuple[str, str], str] = {
-    ("gds_offload/weights/advice.py", "gds-offload convert {} {}"): "test_a_checkpoint_passed_as_the_store",
-    ("gds_offload/weights/advice.py", "gds-offload convert CHECKPOINT {}"): "test_a_missing_store_and_a_directory_of_other_files",
-    ("gds_offload/weights/advice.py", "gds-offload convert --force {}"): "test_a_damaged_store_is_converted_again",
-    ("gds_offload/weights/planner.py", "gds-offload plan STORE --memory SIZE --out {}"): "test_a_missing_plan_file",
+    ("gds_offload/weights/store/advice.py", "gds-offload convert {} {}"): "test_a_checkpoint_passed_as_the_store",
+    ("gds_offload/weights/store/advice.py", "gds-offload convert CHECKPOINT {}"): "test_a_missing_store_and_a_directory_of_other_files",
+    ("gds_offload/weights/store/advice.py", "gds-offload convert --force {}"): "test_a_damaged_store_is_converted_again",
+    ("gds_offload/weights/planning/planner.py", "gds-offload plan STORE --memory SIZE --out {}"): "test_a_missing_plan_file",
     ("gds_offload/data/format.py", "gds-offload shards {} --text FILE..."): "test_missing_or_bad_shards",
     ("gds_offload/data/format.py", "gds-offload shards {} --text FILE... --overwrite"): "test_missing_or_bad_shards",
     ("gds_offload/data/format.py", "gds-offload shards DIR --text FILE... --overwrite"): "test_missing_or_bad_shards",
     ("gds_offload/data/loader.py", "gds-offload shards {} --text FILE... --seq {} --windows-per-file {} --overwrite"): "test_missing_or_bad_shards",
     ("gds_offload/data/loader.py", "gds-offload shards --check {}"): "a warning on a GPU machine without libcufile (the same command as gds-offload shards --check in test_data.py)",
     ("gds_offload/node/choice.py", "gds-check --path {}"): "test_gds_asked_for_where_it_is_not_usable",
-    ("gds_offload/io/kvikio_engine.py", "gds-check --path {}"): "cuFile refusing a file in GDS mode: a GPU node (the same command as in test_gds_asked_for_where_it_is_not_usable)",
+    ("gds_offload/io/kvikio/engine.py", "gds-check --path {}"): "cuFile refusing a file in GDS mode: a GPU node (the same command as in test_gds_asked_for_where_it_is_not_usable)",
     ("gds_offload/commands/report.py", "gds-offload report{}"): "test_a_stale_performance_page",
     ("gds_offload/cli.py", "gds-offload --help"): "test_no_command_given",
     ("gds_offload/cli.py", "gds-offload demo"): "the README's first command, which CI runs (about a minute)",

@@ -21,7 +21,7 @@ from gds_offload.bench.train.child import exact_in_process, run_here
 from gds_offload.bench.train.runner import run_mode
 from gds_offload.bench.train.spec import RunResult, RunSpec, compare_losses, expand_modes, parse_mode
 from gds_offload.cli import main
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gds_offload.bench.weights.plan_bench import sweep_points
+from gds_offload.bench.plan.bench import sweep_points
 from gds_offload.commands.bench_plan import document
-from gds_offload.weights.planner import Fit, Generate, Profile, choose
+from gds_offload.weights.planning.planner import Fit, Generate, Profile, choose
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _doc(planned_tps: float, resident_tps: float, naive_tps: float, predicted_tp
     results = {"planned": {"tokens_per_s": planned_tps, "predicted": pred, "cap_peak_bytes": 1100 * MiB, "generated": 1024,
                            "bytes_read": 1 << 30, "exact": True, "choice": {"per_load": 2, "micro_batch": 16, "resident_layers": 0, "kv": "device"}},
                "resident": {"tokens_per_s": resident_tps, "batch": 32}, "naive": {"tokens_per_s": naive_tps, "batch": 8}}  # fmt: skip
-    from gds_offload.bench.weights.plan_bench import summarize
+    from gds_offload.bench.plan.bench import summarize
 
     doc = {"results": results, "workload": {"prompts": 32, "prompt_len": 64, "new_tokens": 32}, "memory_limit": 1200 * MiB,
            "model": {"layers": 12, "hidden": 2048, "dtype": "float32"}, "plan": plan.as_dict() | {"describe": plan.describe()}, "plan_s": 30.0}  # fmt: skip
@@ -135,7 +135,7 @@ def test_the_phase_clock_splits_by_position_whatever_thread_runs_each_pass() -> 
     """Two generations of a 4-token prompt, prefilled in chunks of 2 then two decode passes, each
     on a new thread (layer-major teams do; the idents may repeat), on a clock that moves one unit
     per stamp: every chunk is prefill, every step after the prompt decode."""
-    from gds_offload.bench.weights.plan_child import PhaseClock
+    from gds_offload.bench.plan.child import PhaseClock
 
     ticks = iter(range(100))
     decoder = _Decoder()
@@ -163,7 +163,7 @@ def test_the_phase_clock_reads_a_hugging_face_decoders_positions() -> None:
     prefill), three stamps each on a clock that moves one unit per stamp."""
     import transformers
 
-    from gds_offload.bench.weights.plan_child import PhaseClock
+    from gds_offload.bench.plan.child import PhaseClock
 
     cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=64)  # fmt: skip

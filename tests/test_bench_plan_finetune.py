@@ -22,10 +22,10 @@ pytest.importorskip("peft", reason="peft is not installed (pip install 'gds_offl
 
 from helpers.disks import real_disk_base  # noqa: E402
 
-from gds_offload.bench.weights.plan_finetune import finetune_document  # noqa: E402
-from gds_offload.bench.weights.plan_finetune_child import FinetuneChildSpec, run  # noqa: E402
+from gds_offload.bench.plan.finetune import finetune_document  # noqa: E402
+from gds_offload.bench.plan.finetune_child import FinetuneChildSpec, run  # noqa: E402
 from gds_offload.weights import convert  # noqa: E402
-from gds_offload.weights.planner import Choice, Finetune, Fit, Profile, choose  # noqa: E402
+from gds_offload.weights.planning.planner import Choice, Finetune, Fit, Profile, choose  # noqa: E402
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def _doc(planned: float, resident: float, naive: float, predicted: float) -> dic
            "model": {"layers": 12, "hidden": 2048, "dtype": "float32"}, "plan": {"describe": "a plan"}, "plan_s": 30.0,
            "results": {"planned": row | {"tokens_per_s": planned, "exact": True, "predicted": {"tokens_per_s": predicted}},
                        "naive": row | {"tokens_per_s": naive, "exact": True}, "resident": row | {"tokens_per_s": resident}}}  # fmt: skip
-    from gds_offload.bench.weights.plan_finetune import summarize
+    from gds_offload.bench.plan.finetune import summarize
 
     doc["summary"] = summarize(doc)
     return finetune_document(doc, title=None, command="gds-offload bench-plan --workload finetune", commit=None, machine={}, started=0.0)

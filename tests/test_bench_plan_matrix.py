@@ -12,7 +12,7 @@ import pytest
 
 from gds_offload.bench.cgroup import cap_available
 from gds_offload.bench.docs.report import Section, render_section
-from gds_offload.bench.weights.plan_matrix import SHAPES, TINY_SHAPES, cell_targets, cell_values, matrix_table
+from gds_offload.bench.plan.matrix import SHAPES, TINY_SHAPES, cell_targets, cell_values, matrix_table
 
 MiB = 1 << 20
 

@@ -348,8 +348,8 @@ def test_bench_document_renders_on_the_performance_page(shards: Path, tmp_path: 
 def test_runner_trains_from_shards(shards: Path) -> None:
     from dataclasses import replace
 
-    from gds_offload.bench.data.train import StepBatches
     from gds_offload.bench.train.child import run_here
+    from gds_offload.bench.train.data import StepBatches
     from gds_offload.bench.train.spec import RunSpec
     from gds_offload.bench.train.workload import build_workload
 

@@ -9,7 +9,7 @@ I/O on a real spill file, and every round trip is compared with ``torch.equal`` 
 bytes written. What only a GPU shows (that the side streams do not wait for the compute
 stream, exactness of device memory) is in ``tests/test_gpu.py``.
 
-Also here: cuFile's compat-fallback switch (:mod:`gds_offload.io.cufile_params`) against a
+Also here: cuFile's compat-fallback switch (:mod:`gds_offload.io.kvikio.cufile_params`) against a
 fake ``libcufile``, the strict ``gds`` engine, and the bench-io/gds-check labels of which
 memory a figure was measured with.
 """
@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
+from gds_offload.io.spill import SpillStore
 from gds_offload.io.staging import CudaBackend, SideStreams, Staging, StagingPool, copy_in_chunks, copy_out_chunks, held_nbytes
 
 KVIK_OK, KVIK_WHY = kvikio_status()
@@ -300,7 +300,7 @@ def test_posix_device_route_stages_through_pinned_buffers_on_side_streams(spill_
 @needs_kvikio
 def test_compat_device_route_gives_kvikio_host_pages_copied_on_side_streams(spill_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gds_offload.io import kvikio_engine
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
 
     monkeypatch.setattr(kvikio_engine, "on_device", lambda t: True)
     import kvikio
@@ -384,7 +384,7 @@ def test_gds_device_route_queues_cufile_stream_ops_on_a_side_stream(
     import kvikio
 
     from gds_offload.io import kvikio_engine
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
 
     monkeypatch.setattr(kvikio_engine, "on_device", lambda t: True)
     monkeypatch.setattr(kvikio, "CuFile", FakeCuFile)
@@ -514,7 +514,7 @@ def test_gds_engine_on_a_gpu_is_strict_only_when_asked(
     which route device memory takes (stream API with a cufile.json, else pread/pwrite)."""
     from gds_offload.io import cufile_params as cp
     from gds_offload.io import kvikio_engine
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     seen: list[bool] = []
@@ -542,7 +542,7 @@ def test_gds_engine_on_a_gpu_is_strict_only_when_asked(
 
 @needs_kvikio
 def test_gds_engine_without_cuda_claims_no_gds() -> None:
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -636,7 +636,7 @@ def test_bench_io_and_gds_check_show_the_label(capsys: pytest.CaptureFixture[str
 
 
 def test_a_kvikio_older_than_the_floor_is_unusable_with_the_fix_named() -> None:
-    from gds_offload.io.kvikio_engine import KVIKIO_FLOOR, version_status
+    from gds_offload.io.kvikio.engine import KVIKIO_FLOOR, version_status
 
     assert KVIKIO_FLOOR == (25, 12)
     ok, why = version_status("25.10.0")
@@ -646,7 +646,7 @@ def test_a_kvikio_older_than_the_floor_is_unusable_with_the_fix_named() -> None:
 
 
 def test_a_strict_gds_refusal_names_a_loaded_module_known_to_open_the_driver() -> None:
-    from gds_offload.io.kvikio_engine import driver_openers
+    from gds_offload.io.kvikio.engine import driver_openers
 
     assert driver_openers({"torch": object()}) == ""
     assert "nvidia.dali" in driver_openers({"nvidia.dali": object()}) and "own process" in driver_openers({"nvidia.dali": object()})

@@ -10,7 +10,7 @@ import gds_offload
 from gds_offload.activations.layers import find_layers
 from gds_offload.errors import ConfigError
 from gds_offload.io.host import HostEngine
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 TINY = GPTConfig(layers=3, hidden=64, heads=4, seq=32, vocab=128, dropout=0.1)

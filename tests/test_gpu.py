@@ -55,11 +55,11 @@ from torch import nn
 
 import gds_offload
 from gds_offload import OffloadStats
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.bench.train.determinism import deterministic_kernels, set_cublas_workspace
 from gds_offload.io import make_engine
 from gds_offload.io.base import Engine
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
+from gds_offload.io.spill import SpillStore
 from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 
 # cuBLAS reads this when it creates a handle's workspace; deterministic mode refuses cuBLAS

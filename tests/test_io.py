@@ -1,6 +1,6 @@
 """Storage engines (``gds_offload.io``): byte-exact round trips, concurrency, stats, retries,
 errors, the bandwidth cap, and engine selection. Every engine that runs here is exercised
-through :func:`gds_offload.io.make_engine` and a real :class:`~gds_offload.activations.spill.store.SpillStore`."""
+through :func:`gds_offload.io.make_engine` and a real :class:`~gds_offload.io.spill.SpillStore`."""
 from __future__ import annotations
 
 import os
@@ -13,13 +13,13 @@ import torch
 from helpers.gates import ENGINE_MODES, FILE_ENGINE_MODES
 from helpers.tensors import byte_view
 
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError, GDSUnavailableError, OffloadError
 from gds_offload.io import make_engine, validate_mode
 from gds_offload.io import posix as posix_mod
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 from gds_offload.io.layout import ALIGN, Slot
 from gds_offload.io.pages import HUGE_PAGE, HostBufferPool, empty_like_head, map_anonymous, span_bytes
+from gds_offload.io.spill import SpillStore
 from gds_offload.node import choice as select_mod
 from gds_offload.node.choice import choose_engine
 from gds_offload.units import parse_bandwidth
@@ -647,7 +647,7 @@ def test_engines_opening_handles_at_once_leave_kvikio_compat_mode_as_it_was(monk
     import kvikio
     import kvikio.defaults
 
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
 
     seen: list[tuple[str, object]] = []
 
@@ -692,8 +692,8 @@ def test_an_engine_made_while_reads_are_in_flight_leaves_kvikios_pool_alone(spil
     reads are in flight; the reads all complete, exactly."""
     import kvikio.defaults
 
-    from gds_offload.activations.spill.store import SpillStore
-    from gds_offload.io.kvikio_engine import KvikIOEngine
+    from gds_offload.io.kvikio.engine import KvikIOEngine
+    from gds_offload.io.spill import SpillStore
 
     first = KvikIOEngine("compat", num_threads=4)
     store = SpillStore([spill_dir])

@@ -22,10 +22,10 @@ from helpers.models import Result, TanhStack, assert_same, make, offload_everyth
 from torch import nn
 
 import gds_offload
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import OffloadError
 from gds_offload.io.faults import Fault, inject
 from gds_offload.io.posix import PosixEngine
+from gds_offload.io.spill import SpillStore
 
 
 # ---------------------------------------------------------------------------- refused forwards

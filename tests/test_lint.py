@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from helpers.imports import Edge, ImportGraph, find_cycle, in_any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,16 +43,23 @@ def test_mypy_is_clean() -> None:
 
 # ---------------------------------------------------------------------------- the package's layers
 # Read from the source (helpers.imports): every import anywhere in a file counts, function-local
-# ones included; imports under ``if TYPE_CHECKING:`` do not (they never run).
+# ones and those under ``if TYPE_CHECKING:`` included (they never run, but they are arrows a reader follows).
 PKG = "gds_offload"
 #: The library: never imports the benchmarks, the commands, gds-check's CLI or gds-offload's.
-LIBRARY = ("activations", "weights", "data", "io", "node", "integrations", "models")
+LIBRARY = ("activations", "weights", "data", "io", "node", "runtime", "integrations", "models")
 ABOVE_LIBRARY = ("bench", "commands", "check", "cli")
 #: Each layer and what it may import of the package (itself always).
 ALLOWED = {
     "io": ("errors", "units"),
     "node": ("io", "errors", "units"),
+    "runtime": ("io", "errors", "units"),
 }
+#: The two halves stand side by side: what both use lies below them (io/, runtime/).
+HALVES = ("activations", "weights")
+#: The weight half's rooms, in the order of its data path: each imports only those before it.
+ROOMS = ("store", "streaming", "planning", "run", "train")
+#: A folder of the package holds at most this many modules (``__init__.py`` not counted).
+FOLDER_MODULES = 15
 #: Modules that load without torch (``gds-check``, ``gds-offload --help``): they may import
 #: heavy modules of the package inside functions, and only those.
 LIGHT = ("cli", "commands", "check")
@@ -79,16 +87,58 @@ def test_layers_import_only_what_is_below_them() -> None:
     for layer, allowed in ALLOWED.items():
         bad = [e for e in g.edges_from(_names((layer,))) if not in_any(e.target, _names((layer, *allowed)))]
         assert not bad, f"{PKG}.{layer} may import only {', '.join(allowed)} of the package:\n" + _show(bad)
+    for half in HALVES:
+        others = _names(tuple(h for h in HALVES if h != half))
+        bad = [e for e in g.edges_from(_names((half,))) if in_any(e.target, others)]
+        assert not bad, f"{PKG}.{half} imports the other half (move what both use into io/ or runtime/):\n" + _show(bad)
+
+
+def test_the_weight_halfs_rooms_follow_its_data_path() -> None:
+    rooms = _names(tuple(f"weights.{r}" for r in ROOMS))
+    found = sorted(p.name for p in (REPO / PKG / "weights").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert found == sorted(ROOMS), f"weights/ holds the folders {found}; the rooms are {ROOMS} (add a new one to ROOMS, in its place)"
+    bad = []
+    for i, room in enumerate(rooms):
+        later = rooms[i + 1 :]
+        bad += [e for e in _graph().edges_from((room,)) if in_any(e.target, later)]
+    assert not bad, f"a room of weights/ imports one after it in {ROOMS}:\n" + _show(bad)
+
+
+def _collapsed(g: ImportGraph, depth: int) -> dict[str, set[str]]:
+    """The import graph with every module named by its first ``depth`` parts below the package
+    (``gds_offload.weights.store.convert`` at depth 2: ``gds_offload.weights.store``). An edge to a
+    package's own ``__init__`` from inside it is left out: importing ``a.b`` runs ``a`` first anyway."""
+    def cut(m: str) -> str:
+        return ".".join(m.split(".")[: depth + 1])
+
+    targets: dict[str, set[str]] = {}
+    for e in g.edges:
+        a, b = cut(e.source), cut(e.target)
+        if a != b and not e.source.startswith(e.target + "."):
+            targets.setdefault(a, set()).add(b)
+    return targets
 
 
 def test_no_import_cycle_at_any_level() -> None:
-    """Module-level and function-local imports alike: a cycle hidden in a function body is one."""
+    """Module-level, function-local and type-only imports alike, between modules and between the
+    folders at every depth (``weights.store`` -> ``weights.streaming`` -> ``weights.store`` is one)."""
     g = _graph()
     targets: dict[str, set[str]] = {}
     for e in g.edges:
         targets.setdefault(e.source, set()).add(e.target)
     cycle = find_cycle(g.files, targets)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    deepest = max(m.count(".") for m in g.files)
+    for depth in range(1, deepest):
+        collapsed = _collapsed(g, depth)
+        cycle = find_cycle(collapsed, collapsed)
+        assert cycle is None, f"import cycle between folders at depth {depth}: " + " -> ".join(cycle or [])
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    big = {str(d.relative_to(REPO)): n for d in (REPO / PKG).rglob("*") if d.is_dir() and d.name != "__pycache__"
+           and (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > FOLDER_MODULES}  # fmt: skip
+    assert not big, f"folders over {FOLDER_MODULES} modules (split them by what they hold): {big}"
 
 
 def test_function_local_imports_only_keep_light_modules_light() -> None:
@@ -123,3 +173,18 @@ def test_examples_import_only_the_public_api() -> None:
                 continue
             bad += [f"  {path.name}:{node.lineno} imports {m}" for m in modules if m.startswith(PKG) and not _public(m)]
     assert not bad, "examples import internals (use gds_offload, gds_offload.weights/.data/.integrations/.models):\n" + "\n".join(bad)
+
+
+def test_the_weights_extra_installs_what_import_gds_offload_weights_needs() -> None:
+    """``pip install gds_offload[weights]`` then ``import gds_offload.weights``: every third-party
+    package imported on the way is a core dependency or in the ``weights`` extra."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {r.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip().replace("-", "_") for r in reqs}
+
+    installed = names(project["dependencies"]) | names(project["optional-dependencies"]["weights"])
+    g = _graph()
+    needed = set().union(*(g.third_party[m] for m in g.loaded_by(f"{PKG}.weights")))
+    missing = sorted(n for n in needed if n not in sys.stdlib_module_names and n not in installed)
+    assert not missing, f"import gds_offload.weights needs {missing}, which neither the dependencies nor the weights extra install"

@@ -308,7 +308,7 @@ def test_compiled_module_refused(tmp_path) -> None:
 def test_failed_attach_leaves_no_threads(tmp_path, monkeypatch) -> None:
     import threading
 
-    import gds_offload.activations.spill.store as store
+    import gds_offload.io.spill as store
 
     def no_file(*_a: object, **_kw: object) -> None:
         raise OSError(errno.EMFILE, "Too many open files")

@@ -1,7 +1,7 @@
-"""The fill order of a streamed model's ring (gds_offload/weights/prefetch.py), through
+"""The fill order of a streamed model's ring (gds_offload/weights/streaming/prefetch.py), through
 :class:`Prefetch`'s public methods on a ring that records what it is asked to do.
 
-Each test drives the calls a :class:`~gds_offload.weights.stream.StreamedModel` makes (a layer's
+Each test drives the calls a :class:`~gds_offload.weights.run.model.StreamedModel` makes (a layer's
 pre-hook: ``next_fill`` then ``take``; its post-hook: ``put_back``) and checks which layer is read
 into which slot, in which order, and which are used again with no read. The expected orders are
 worked out by hand from the module's doc.
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from gds_offload.weights.manifest import GroupEntry
-from gds_offload.weights.prefetch import Prefetch
-from gds_offload.weights.ring import Fill
-from gds_offload.weights.stream_stats import StreamStats
+from gds_offload.weights.store.manifest import GroupEntry
+from gds_offload.weights.streaming.prefetch import Prefetch
+from gds_offload.weights.streaming.ring import Fill
+from gds_offload.weights.streaming.stats import StreamStats
 
 
 class RecordingRing:

@@ -517,7 +517,7 @@ def test_a_tensor_across_the_2_and_4_gib_offsets_of_a_sparse_spill_file(engine: 
     takes itself, never written, push each step's 12 MiB saved tensor across 2^31, then 2^32.
     Backward reads every byte back from the drive (synchronized first): exact. Lengths past 32
     bits need a tensor that large: :func:`test_one_huge_tensor` (``-m slow``)."""
-    import gds_offload.activations.spill.store as store_mod
+    import gds_offload.io.spill as store_mod
 
     def no_fallocate(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "no fallocate: the spill file grows sparse")

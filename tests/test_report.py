@@ -40,7 +40,7 @@ def test_each_section_names_command_commit_and_machine(tmp_path: Path) -> None:
 def test_a_result_measured_otherwise_says_how_its_memory_was_measured(tmp_path: Path) -> None:
     """The method names one definition of peak memory; a result file whose runs measured it
     otherwise (an older definition) carries a ``memory`` line saying how."""
-    from gds_offload.bench.train.memory import CPU_SOURCE
+    from gds_offload.bench.machine import CPU_SOURCE
 
     doc = json.loads((REPO / "docs/results/ceiling-100MBps.json").read_text())
     (tmp_path / "now.json").write_text(json.dumps(doc | {"title": "Now", "results": [r | {"memory_source": CPU_SOURCE} for r in doc["results"]]}))

@@ -1,4 +1,4 @@
-"""The spill store (``gds_offload.activations.spill.store``): unnamed 0600 files, O_DIRECT and its fallback,
+"""The spill store (``gds_offload.io.spill``): unnamed 0600 files, O_DIRECT and its fallback,
 directory checks, free-space errors, slot reuse, striping, and cleanup when the process dies."""
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch
 from helpers.disks import fstype, is_root, tmpfs
 from helpers.gates import FILE_ENGINE_MODES, requires_root
 
-from gds_offload.activations.spill.store import GROW_BYTES, SpillStore
 from gds_offload.errors import ConfigError, SpillSpaceError
 from gds_offload.io import make_engine
 from gds_offload.io.directory import prepare_dir
 from gds_offload.io.layout import ALIGN
+from gds_offload.io.spill import GROW_BYTES, SpillStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -278,7 +278,7 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     import torch
     from gds_offload.io import make_engine
-    from gds_offload.activations.spill.store import SpillStore
+    from gds_offload.io.spill import SpillStore
 
     store = SpillStore([Path(sys.argv[1])])
     engine = make_engine("posix")

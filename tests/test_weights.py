@@ -41,7 +41,7 @@ from gds_offload.weights import (  # noqa: E402
 )
 
 #: The module (the package's ``convert`` attribute is the function of that name).
-convert_mod = importlib.import_module("gds_offload.weights.convert")
+convert_mod = importlib.import_module("gds_offload.weights.store.convert")
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +427,7 @@ def test_striped_over_two_directories(base: Path, ckpt: Path, store: Path, ids: 
         assert torch.equal(h(ids).logits, resident_model(ckpt)(ids).logits)
 
 
-@pytest.mark.skipif(not __import__("gds_offload.io.kvikio_engine", fromlist=["kvikio_status"]).kvikio_status()[0],
+@pytest.mark.skipif(not __import__("gds_offload.io.kvikio.engine", fromlist=["kvikio_status"]).kvikio_status()[0],
                     reason="KvikIO unusable here (needs kvikio-cu12 and libcuda.so.1)")  # fmt: skip
 def test_kvikio_compat_reads_into_the_host_ring(ckpt: Path, store: Path, ids: torch.Tensor) -> None:
     # The engine a GPU uses (KvikIO CuFile.pread), here into host slots; the store is opened read-only.

@@ -1,4 +1,4 @@
-"""Layer-major gradient accumulation (gds_offload.weights.accumulate): several micro-batches per
+"""Layer-major gradient accumulation (gds_offload.weights.run.accumulate): several micro-batches per
 weight load in forward and backward, losses, gradients and LoRA adapters after three AdamW steps
 ``torch.equal`` to the resident PEFT model accumulating the same micro-batches, on every engine,
 with and without the activation offloader attached, and each layer read once per round."""

@@ -1,10 +1,10 @@
-"""PEFT adapters on streamed models (gds_offload.weights.adapters): every kind PEFT can put on a
+"""PEFT adapters on streamed models (gds_offload.weights.streaming.adapters): every kind PEFT can put on a
 supported layer gets exactly the values ``get_peft_model`` gives it on a real model, and trains
 exactly as there; every other kind is refused by name before the store is read.
 
 The reference is PEFT on the resident model, built from the same seed: ``torch.manual_seed(s);
 get_peft_model(real)`` against ``get_peft_model(skeleton); torch.manual_seed(s); load_streamed``
-(the contract in gds_offload.weights.adapters). Its parameters are cloned first, so that no CPU
+(the contract in gds_offload.weights.streaming.adapters). Its parameters are cloned first, so that no CPU
 kernel sees the 8-byte alignment of a memory-mapped safetensors tensor.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from helpers.gates import cuda_test  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402
-from gds_offload.weights.adapters import unwrap  # noqa: E402
+from gds_offload.weights.streaming.adapters import unwrap  # noqa: E402
 
 LAYERS = 4
 SEED = 7

@@ -1,4 +1,4 @@
-"""Backward through streamed layers (gds_offload.weights.backward): the weights autograd saves
+"""Backward through streamed layers (gds_offload.weights.streaming.backward): the weights autograd saves
 are read again from the store (or copied out of the slots still holding the forward's last
 layers), so losses and gradients equal the resident model's bit for bit. With ``slots=1`` every
 layer's slot but the last one's is refilled before backward, and that one as soon as backward
@@ -25,7 +25,7 @@ from helpers.disks import real_disk_base  # noqa: E402
 import gds_offload  # noqa: E402
 from gds_offload.errors import ConfigError, OffloadError  # noqa: E402
 from gds_offload.weights import StoreCorruptError, convert, load_streamed, read_manifest  # noqa: E402
-from gds_offload.weights.stream_stats import StreamStats  # noqa: E402
+from gds_offload.weights.streaming.stats import StreamStats  # noqa: E402
 
 LAYERS = 4
 #: The tensors trained in these tests: resident ones (the streamed layers' parameters are frozen).
@@ -325,7 +325,7 @@ def test_backward_after_close_and_a_corrupt_store_are_named(stores: dict[str, tu
 def test_hf_gradient_checkpointing_recomputes_with_the_streamed_weights(stores: dict[str, tuple[Path, Path]], ids: torch.Tensor,
                                                                        reentrant: bool, slots: int) -> None:  # fmt: skip
     """Backward recomputes each checkpointed layer without its module hooks; the layer's wrapped
-    checkpointing function binds it for that (:mod:`gds_offload.weights.recompute`)."""
+    checkpointing function binds it for that (:mod:`gds_offload.weights.streaming.recompute`)."""
     ckpt, store = stores["llama"]
     kw = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
 
@@ -471,7 +471,7 @@ def test_backward_on_another_thread(stores: dict[str, tuple[Path, Path]], ids: t
         _assert_equal((loss.detach(), {n: params[n].grad for n in LLAMA_TRAIN}), want)
 
 
-# ---- LoRA adapters (PEFT) on streamed layers: gds_offload.weights.adapters -------------------
+# ---- LoRA adapters (PEFT) on streamed layers: gds_offload.weights.streaming.adapters -------------------
 
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 

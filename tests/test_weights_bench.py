@@ -301,7 +301,7 @@ def test_an_engine_says_how_deep_it_reads() -> None:
 
 @cuda_test
 def test_bench_weights_on_cuda_reads_as_deep_as_the_engine_and_skips_the_cpu_probe(tmp_path: Path) -> None:
-    from gds_offload.io.kvikio_engine import DEFAULT_THREADS
+    from gds_offload.io.kvikio.engine import DEFAULT_THREADS
 
     work = real_disk_base() / f"gds_offload-bench-weights-cuda-{os.getpid()}"
     out = tmp_path / "report.json"

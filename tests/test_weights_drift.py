@@ -1,4 +1,4 @@
-"""generate_many's re-planning after a drift (gds_offload.weights.generation.Drift), on a synthetic
+"""generate_many's re-planning after a drift (gds_offload.weights.run.generation.Drift), on a synthetic
 profile and given compute times, so the outcome depends on nothing the machine does: the scale is
 applied once (a wave that runs as the scaled profile predicts triggers nothing), and a re-plan
 keeps what the caller set by hand."""
@@ -12,9 +12,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'gds_offload[hf]')")
 
-from gds_offload.weights.generation import Drift, Fixed, micro_batches  # noqa: E402
-from gds_offload.weights.options import KVPlacement  # noqa: E402
-from gds_offload.weights.planner import Fit, Generate, Plan, Profile, choose, estimate  # noqa: E402
+from gds_offload.weights.planning.options import KVPlacement  # noqa: E402
+from gds_offload.weights.planning.planner import Fit, Generate, Plan, Profile, choose, estimate  # noqa: E402
+from gds_offload.weights.run.generation import Drift, Fixed, micro_batches  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PROMPTS = [torch.arange(1, 65) for _ in range(4096)]  # twice what the plan was made for: waves are left after the first

@@ -21,7 +21,7 @@ from helpers.llama import VOCAB, llama_config, resident_model, save_checkpoint  
 from gds_offload.cli import main as cli_main  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import StoreCorruptError, convert, export, read_manifest  # noqa: E402
-from gds_offload.weights.export import INDEX_NAME  # noqa: E402
+from gds_offload.weights.store.export import INDEX_NAME  # noqa: E402
 
 
 @pytest.fixture(scope="module")

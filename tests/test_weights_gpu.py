@@ -29,7 +29,7 @@ from helpers.disks import real_disk_base  # noqa: E402
 from helpers.gates import requires_cuda  # noqa: E402
 from helpers.llama import VOCAB, assert_same_generation, llama_config, meta_skeleton, resident_model, save_checkpoint  # noqa: E402
 
-from gds_offload.io.kvikio_engine import kvikio_status  # noqa: E402
+from gds_offload.io.kvikio.engine import kvikio_status  # noqa: E402
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -146,7 +146,7 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor, *, checkpointing: boo
 @pytest.mark.parametrize("tier", ["drive", "host"])
 def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     """Gradients to the resident tensors through one-slot streamed layers on the GPU (the weights
-    read again for backward, :mod:`gds_offload.weights.backward`), with the GPU slowed as above."""
+    read again for backward, :mod:`gds_offload.weights.streaming.backward`), with the GPU slowed as above."""
     ckpt, store = ckpt_store
     want = _train_step(resident_model(ckpt).cuda(), ids)
     with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:
@@ -164,7 +164,7 @@ def test_cuda_backward_through_streamed_layers_equals_resident(ckpt_store: tuple
 @pytest.mark.parametrize("tier", ["drive", "host"])
 def test_cuda_gradient_checkpointing_recomputes_with_the_streamed_weights(ckpt_store: tuple[Path, Path], ids: torch.Tensor, tier: str) -> None:
     """Hugging Face gradient checkpointing on the GPU: backward's recompute (on the autograd
-    device thread) binds each layer again (:mod:`gds_offload.weights.recompute`)."""
+    device thread) binds each layer again (:mod:`gds_offload.weights.streaming.recompute`)."""
     ckpt, store = ckpt_store
     want = _train_step(resident_model(ckpt).cuda(), ids, checkpointing=True)
     with load_streamed(meta_skeleton(store), store, device="cuda", tier=tier, slots=1) as h:

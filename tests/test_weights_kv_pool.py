@@ -1,4 +1,4 @@
-"""The KV cache on the drive (gds_offload.weights.kv.KVPool): what is read back equals what was
+"""The KV cache on the drive (gds_offload.weights.run.kv.KVPool): what is read back equals what was
 appended, bit for bit, on every engine; a finished write's buffer is let go at the next append
 whichever region it wrote (the planner's memory model counts only the writes in flight); a failed
 write is raised naming its micro-batch and layer."""
@@ -19,7 +19,7 @@ from gds_offload.errors import OffloadError
 from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.factory import make_engine
 from gds_offload.io.faults import Fault, FaultyEngine
-from gds_offload.weights.kv import KVPool, KVShape
+from gds_offload.weights.run.kv import KVPool, KVShape
 
 MEMBERS, LAYERS, CHUNK = 3, 4, 5
 SHAPE = KVShape(layers=LAYERS, batch=2, kv_heads=2, head_dim=8, max_positions=16, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Layer-major generation (gds_offload.weights.generation, .schedule, .kv): several micro-batches
+"""Layer-major generation (gds_offload.weights.run.generation, .schedule, .kv): several micro-batches
 share each weight load, in the prefill and at every decode step, and every micro-batch's tokens
 and scores equal the resident model generating the same micro-batches one after another
 (greedy and sampled with a seed; the KV cache in memory and on the drive; every engine)."""
@@ -23,8 +23,8 @@ from helpers.llama import assert_same_generation  # noqa: E402
 
 from gds_offload.errors import ConfigError, SpillSpaceError  # noqa: E402
 from gds_offload.weights import as_reference, convert, load_streamed  # noqa: E402
-from gds_offload.weights.generation import micro_batches  # noqa: E402
-from gds_offload.weights.schedule import Team, TeamCancelled  # noqa: E402
+from gds_offload.weights.run.generation import micro_batches  # noqa: E402
+from gds_offload.weights.streaming.team import Team, TeamCancelled  # noqa: E402
 
 LAYERS = 4
 

@@ -1,4 +1,4 @@
-"""The planner's peak model (gds_offload.weights.cost.peak_nbytes) counts what a layer-major run
+"""The planner's peak model (gds_offload.weights.planning.cost.peak_nbytes) counts what a layer-major run
 was measured to hold beyond the first model: each suspended member's libraries' caches, a
 chunk's memory on the longest cache, the logits every suspended member keeps. Synthetic
 profiles: each term is checked against a profile without it."""
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gds_offload.weights.cost import peak_nbytes
-from gds_offload.weights.options import KVPlacement
-from gds_offload.weights.planner import Choice, Fit, Generate, Profile
+from gds_offload.weights.planning.cost import peak_nbytes
+from gds_offload.weights.planning.options import KVPlacement
+from gds_offload.weights.planning.planner import Choice, Fit, Generate, Profile
 
 MiB = 1 << 20
 W = Generate(prompts=256, prompt_len=32, new_tokens=8)

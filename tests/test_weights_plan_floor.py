@@ -18,7 +18,7 @@ from helpers.llama import converted  # noqa: E402
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.units import parse_bytes  # noqa: E402
 from gds_offload.weights import plan  # noqa: E402
-from gds_offload.weights.planner import Generate, at_least, check_floor  # noqa: E402
+from gds_offload.weights.planning.planner import Generate, at_least, check_floor  # noqa: E402
 
 MiB = 1 << 20
 W = Generate(prompts=8, prompt_len=8, new_tokens=4)

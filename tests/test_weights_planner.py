@@ -1,4 +1,4 @@
-"""The planner (gds_offload.weights.planner): its choice on synthetic profiles (fake clocks and
+"""The planner (gds_offload.weights.planning.planner): its choice on synthetic profiles (fake clocks and
 bandwidths, so every expectation is arithmetic), its refusals, the profile a child process
 measures, and ``gds-offload plan`` end to end on a tiny store."""
 from __future__ import annotations
@@ -24,10 +24,10 @@ from helpers.llama import assert_same_generation  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402
-from gds_offload.weights.measure import measure  # noqa: E402
-from gds_offload.weights.options import KVPlacement  # noqa: E402
-from gds_offload.weights.planner import TIE, Choice, Fit, Generate, Profile, check_feasible, choose, estimate  # noqa: E402
-from gds_offload.weights.workload import profile_from  # noqa: E402
+from gds_offload.weights.planning.options import KVPlacement  # noqa: E402
+from gds_offload.weights.planning.planner import TIE, Choice, Fit, Generate, Profile, check_feasible, choose, estimate  # noqa: E402
+from gds_offload.weights.planning.workload import profile_from  # noqa: E402
+from gds_offload.weights.run.measure import measure  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -130,7 +130,7 @@ def test_scaling_compute_scales_the_prediction() -> None:
 
 
 def test_the_peak_is_the_larger_phase_not_the_prefills_transient_on_the_full_caches() -> None:
-    from gds_offload.weights.cost import peak_nbytes
+    from gds_offload.weights.planning.cost import peak_nbytes
 
     p = _profile()
     device, drive = (Choice(32, 1, 0, 2, kv, 16) for kv in (KVPlacement.DEVICE, KVPlacement.DRIVE))
@@ -202,7 +202,7 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
 def test_the_finetune_profile_is_measured_from_the_store(store: Path) -> None:
     """LoRA on every linear layer: a layer's forward with grad and its backward are timed, and what
     autograd saves per token is counted; the sizes are the model's, as for generation."""
-    from gds_offload.weights.planner import Finetune
+    from gds_offload.weights.planning.planner import Finetune
 
     p = measure(store, Finetune(sequences=8, seq=16, global_batch=4, lora_r=4))
     assert p.layers == 4 and p.hidden_nbytes == 64 * 4 and p.read_Bps > 0 and p.base_nbytes > 0
@@ -288,7 +288,7 @@ def test_the_plan_command_refuses_in_one_line_with_exit_2(store: Path, args: lis
 
 def test_from_pretrained_converts_when_needed_plans_and_streams(store: Path, tmp_path: Path) -> None:
     from gds_offload.weights import as_reference, from_pretrained
-    from gds_offload.weights.pretrained import stale_reason
+    from gds_offload.weights.run.pretrained import stale_reason
 
     ckpt = store.parent / "ckpt"
     out = tmp_path / "store"
@@ -351,7 +351,7 @@ def _train_profile(**kw: object) -> Profile:
 
 
 def test_finetuning_is_compute_bound_when_a_layer_reads_faster_than_a_micro_batch_computes() -> None:
-    from gds_offload.weights.planner import Finetune
+    from gds_offload.weights.planning.planner import Finetune
 
     w = Finetune(sequences=128, seq=256, global_batch=64, lora_r=8)
     p = _train_profile()
@@ -363,7 +363,7 @@ def test_finetuning_is_compute_bound_when_a_layer_reads_faster_than_a_micro_batc
 
 
 def test_finetuning_offloads_activations_when_keeping_them_does_not_fit() -> None:
-    from gds_offload.weights.planner import Finetune
+    from gds_offload.weights.planning.planner import Finetune
 
     w = Finetune(sequences=64, seq=1024, global_batch=64)
     keep_all = estimate_ft(_train_profile(), w, Choice(8, 1, 0, 2), 64 * GiB)
@@ -374,8 +374,8 @@ def test_finetuning_offloads_activations_when_keeping_them_does_not_fit() -> Non
 def test_a_finetune_peak_counts_every_micro_batchs_head_and_the_offloaders_bound() -> None:
     """The micro-batches of a wave run as a team, so each holds its head's and loss's memory at the
     same time; offloaded activations hold attach()'s bound, its 64 MiB write window included."""
-    from gds_offload.weights.cost import peak_finetune
-    from gds_offload.weights.planner import Finetune
+    from gds_offload.weights.planning.cost import peak_finetune
+    from gds_offload.weights.planning.planner import Finetune
 
     w = Finetune(sequences=64, seq=256, global_batch=64)
     p = replace(_train_profile(), head_train_nbytes=1e6, saved_nbytes=1000.0)
@@ -387,7 +387,7 @@ def test_a_finetune_peak_counts_every_micro_batchs_head_and_the_offloaders_bound
 
 
 def estimate_ft(p: Profile, w: Any, c: Choice, memory: int) -> Any:
-    from gds_offload.weights.cost import estimate_finetune
+    from gds_offload.weights.planning.cost import estimate_finetune
 
     return estimate_finetune(p, w, c, memory)
 
@@ -419,7 +419,7 @@ def test_on_a_terminal_each_phase_is_a_bar_left_as_one_line() -> None:
 
     from rich.console import Console
 
-    from gds_offload.weights.progress import reporter
+    from gds_offload.weights.run.progress import reporter
 
     screen = io.StringIO()
     say = reporter(True, name="from_pretrained", console=Console(file=screen, force_terminal=True, width=100))

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gds_offload.weights.measure import SETTLED, settled, trust
+from gds_offload.weights.run.profile import SETTLED, settled, trust
 
 
 def _script(times: list[float]) -> Iterator[tuple[float, int]]:

@@ -1,4 +1,4 @@
-"""The layer-major team's protocol (gds_offload.weights.schedule): its state table, and Ctrl-C at
+"""The layer-major team's protocol (gds_offload.weights.streaming.team): its state table, and Ctrl-C at
 every wait of the calling thread, on every path that runs a team (``StreamedTrainer.step``,
 ``accumulate``, ``generate_many``), each followed by a call ``torch.equal`` to the reference.
 
@@ -31,9 +31,10 @@ from helpers.disks import real_disk_base  # noqa: E402
 from helpers.llama import VOCAB, converted, meta_skeleton, resident_model  # noqa: E402
 
 from gds_offload.errors import OffloadError  # noqa: E402
-from gds_offload.weights import as_reference, export, load_streamed, schedule  # noqa: E402
-from gds_offload.weights.schedule import MOVES, MemberState, Team  # noqa: E402
-from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
+from gds_offload.weights import as_reference, export, load_streamed  # noqa: E402
+from gds_offload.weights.streaming import team as schedule  # noqa: E402
+from gds_offload.weights.streaming.team import MOVES, MemberState, Team  # noqa: E402
+from gds_offload.weights.train.trainer import StreamedTrainer  # noqa: E402
 
 TRAIN = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 pytestmark = pytest.mark.usefixtures("one_thread")

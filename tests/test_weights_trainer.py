@@ -23,7 +23,7 @@ from helpers.llama import VOCAB, llama_config, meta_skeleton, resident_model, sa
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import StoreFormatError, convert, export, from_pretrained, load_streamed  # noqa: E402
-from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
+from gds_offload.weights.train.trainer import StreamedTrainer  # noqa: E402
 
 STEPS = 3
 OPTIMIZERS = {

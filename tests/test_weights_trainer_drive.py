@@ -21,7 +21,7 @@ from helpers.llama import VOCAB, converted, meta_skeleton  # noqa: E402
 
 from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import load_streamed  # noqa: E402
-from gds_offload.weights.trainer import StreamedTrainer  # noqa: E402
+from gds_offload.weights.train.trainer import StreamedTrainer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="needs root privileges (mounts a read-only bind mount and a small tmpfs)")
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)

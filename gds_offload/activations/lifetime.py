@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from gds_offload.io.release import release_when_collected
 
 if TYPE_CHECKING:
-    from gds_offload.activations.spill.store import SpillStore
     from gds_offload.io.base import Engine
+    from gds_offload.io.spill import SpillStore
 
 __all__ = ["InterruptGuard", "release", "release_finalizer"]
 

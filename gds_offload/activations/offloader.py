@@ -59,15 +59,15 @@ from torch.utils.hooks import RemovableHandle
 
 from gds_offload.activations.config import OffloadConfig
 from gds_offload.activations.lifetime import InterruptGuard, release, release_finalizer
-from gds_offload.activations.planning.policy import Plan
+from gds_offload.activations.planning.policy import OffloadDecisions
 from gds_offload.activations.rank_stats import reduce_stats
 from gds_offload.activations.scheduler.core import Scheduler
 from gds_offload.activations.scheduler.state import SchedulerConfig
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.activations.stats import OffloadStats
 from gds_offload.io.base import Engine
 from gds_offload.io.factory import make_engine
 from gds_offload.io.layout import Slot
+from gds_offload.io.spill import SpillStore
 from gds_offload.node.choice import choose_engine
 
 __all__ = ["Offloader"]
@@ -338,7 +338,7 @@ class Offloader:
         """
         self.scheduler.wait_inflight()
 
-    def plan(self) -> Plan:
+    def plan(self) -> OffloadDecisions:
         """The policy's current per-layer decision with its reasons (printable with ``rich.print``)."""
         return self.scheduler.policy.plan()
 

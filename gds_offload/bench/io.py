@@ -1,7 +1,7 @@
 """Storage-engine bandwidth, next to the drive's raw O_DIRECT bandwidth measured in the same run.
 
 :func:`~gds_offload.bench.raw_io.raw_direct_bandwidth` asks ``fio`` (or ``dd``) what the drive does with O_DIRECT;
-:func:`measure_engine` pushes tensors through an engine into a :class:`~gds_offload.activations.spill.store.SpillStore`
+:func:`measure_engine` pushes tensors through an engine into a :class:`~gds_offload.io.spill.SpillStore`
 the way the scheduler does (byte views, every write submitted before any is waited on,
 then every read), and checks the bytes that come back. :func:`run_bench` runs both over
 engines, tensor sizes and thread counts; ``gds-offload bench-io``
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.raw_io import page_cache_bytes, raw_direct_bandwidth
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.io.factory import make_engine, validate_mode
+from gds_offload.io.spill import SpillStore
 
 __all__ = [
     "buffer_label",
@@ -121,7 +121,7 @@ def measure_engine(
 ) -> dict[str, Any]:
     """Write ``total_bytes`` of ``tensor_bytes`` tensors through engine ``mode``, then read them back.
 
-    Each repeat uses a fresh :class:`~gds_offload.activations.spill.store.SpillStore` in ``path`` with every slot
+    Each repeat uses a fresh :class:`~gds_offload.io.spill.SpillStore` in ``path`` with every slot
     allocated before the clock starts (as after a training run's first step). The write phase
     submits every write and then waits for all; the read phase likewise, into the buffers the
     offloader reads into (:meth:`~gds_offload.io.base.Engine.empty`), faulted in before the clock. GB/s is bytes / wall time of the phase (1e9 bytes per second); with

@@ -15,7 +15,12 @@ from gds_offload import __version__
 from gds_offload.io.directory import default_spill_dir
 from gds_offload.node.probes import probe_path
 
-__all__ = ["Machine", "describe_machine", "describe"]
+__all__ = ["CPU_SOURCE", "CUDA_SOURCE", "Machine", "describe_machine", "describe"]
+
+#: How a CPU peak is measured (``RunResult.memory_source``).
+CPU_SOURCE = "VmHWM - VmRSS before the first step (model and AdamW state built, mode not set up; MALLOC_MMAP_THRESHOLD_=65536)"
+#: How a CUDA peak is measured.
+CUDA_SOURCE = "torch.cuda.max_memory_allocated - memory_allocated before the first step (model and AdamW state built, mode not set up)"
 
 
 @dataclass(frozen=True)

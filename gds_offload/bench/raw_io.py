@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gds_offload.activations.spill.store import open_unnamed
 from gds_offload.errors import ConfigError
+from gds_offload.io.spill import open_unnamed
 
 __all__ = ["FIO_BLOCK_BYTES", "FIO_IODEPTH", "DD_BLOCK_BYTES", "page_cache_bytes", "raw_direct_bandwidth"]
 

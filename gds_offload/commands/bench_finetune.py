@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from gds_offload.bench.docs.report import current_commit
 from gds_offload.commands.run_args import batch_sizes_arg, check_outputs, memory_limit_arg, modes_arg, positive_int, workdir_arg
 from gds_offload.errors import ConfigError
 
@@ -71,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
-    from gds_offload.bench.docs.report import current_commit
     from gds_offload.bench.weights.doc import emit
 
     model = TINY if args.tiny else DEFAULT_MODEL

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gds_offload.activations.spill.store import GROW_BYTES, free_bytes
 from gds_offload.commands.run_args import check_outputs, positive_int
 from gds_offload.errors import ConfigError
 from gds_offload.io.directory import prepare_dir, spill_dir_origin
+from gds_offload.io.spill import GROW_BYTES, free_bytes
 from gds_offload.units import format_bytes, parse_bytes
 
 HELP = "measure storage-engine write/read bandwidth against the drive's raw O_DIRECT bandwidth"

@@ -1,6 +1,6 @@
 """``gds-offload bench-plan``: the planner's choice against the resident model, today's API without a
 plan, the peers users would pick and a measured sweep, on the weights benchmark's model under a
-memory cap (:mod:`gds_offload.bench.weights.plan_bench`). Examples::
+memory cap (:mod:`gds_offload.bench.plan.bench`). Examples::
 
     gds-offload bench-plan --tiny --memory-limit 512MiB          # about a minute: the end-to-end check
     gds-offload bench-plan --memory-limit 1.2GiB --out docs/results/plan-cpu.json
@@ -11,11 +11,11 @@ memory cap (:mod:`gds_offload.bench.weights.plan_bench`). Examples::
 predicted curve with the measured points over it). Exit status: 0 every mode ran and the planned
 tokens equal the resident model's, 1 otherwise, 2 a usage error (every flag is checked before
 anything is measured). ``--workload finetune``: LoRA fine-tuning
-(:mod:`gds_offload.bench.weights.plan_finetune`), the plan against ordinary accumulation and the
+(:mod:`gds_offload.bench.plan.finetune`), the plan against ordinary accumulation and the
 resident model on the same micro-batches; 0 when the planned losses and adapters equal the
 resident model's. ``--matrix``: the planner on four model shapes it was not tuned on, each at two caps
 (fractions of its weights), through ``from_pretrained`` inside the capped process
-(:mod:`gds_offload.bench.weights.plan_matrix`); 0 when every cell's targets are met.
+(:mod:`gds_offload.bench.plan.matrix`); 0 when every cell's targets are met.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gds_offload.bench.docs.report import current_commit
 from gds_offload.bench.docs.stale import exercised_paths
 from gds_offload.bench.machine import describe_machine
 from gds_offload.commands.run_args import check_outputs, memory_limit_arg, modes_arg, positive_int, workdir_arg
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there; give a Hugging Face checkpoint directory")
         workdir = workdir_arg(args.workdir, tiny=args.tiny)
         if args.workload == "finetune":
-            from gds_offload.weights.workload import Finetune
+            from gds_offload.weights.planning.workload import Finetune
 
             f = (32, 16, 8, 3) if args.tiny else (1024, 256, 64, 1)
             sequences, seq, global_batch, steps = (v or dflt for v, dflt in zip((args.sequences, args.seq, args.global_batch, args.steps), f))
@@ -103,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_finetune(args, workload=workload, steps=steps, modes=modes, limit=limit, workdir=workdir)
     from rich.console import Console
 
-    from gds_offload.bench.docs.report import current_commit
-    from gds_offload.bench.weights.plan_bench import run_bench_plan
+    from gds_offload.bench.plan.bench import run_bench_plan
 
     console = Console(stderr=True)
     started, commit = time.time(), current_commit()
@@ -127,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_finetune(args: argparse.Namespace, *, workload: Any, steps: int, modes: tuple[str, ...], limit: int, workdir: Path) -> int:
     from rich.console import Console
 
-    from gds_offload.bench.docs.report import current_commit
-    from gds_offload.bench.weights.plan_finetune import finetune_document, run_bench_finetune
+    from gds_offload.bench.plan.finetune import finetune_document, run_bench_finetune
 
     console = Console(stderr=True)
     started, commit = time.time(), current_commit()
@@ -148,8 +147,7 @@ def _run_finetune(args: argparse.Namespace, *, workload: Any, steps: int, modes:
 def _run_matrix(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from gds_offload.bench.docs.report import current_commit
-    from gds_offload.bench.weights import plan_matrix as pm
+    from gds_offload.bench.plan import matrix as pm
 
     try:
         check_outputs(("--out", args.out, None), ("--plot", args.plot, None))
@@ -219,7 +217,7 @@ TARGETS = (
 
 def document(doc: dict[str, Any], *, title: str | None, command: str, commit: str | None, machine: dict[str, Any], started: float) -> dict[str, Any]:
     """The result file: what ran, a table of the modes, and the targets with their bounds."""
-    from gds_offload.bench.weights.plan_finetune import planner_targets
+    from gds_offload.bench.plan.finetune import planner_targets
 
     r, s, w = doc["results"], doc["summary"], doc["workload"]
     resident = (r.get("resident") or {}).get("tokens_per_s")
@@ -291,8 +289,8 @@ def _failed(sw: dict[str, Any]) -> str:
 
 
 def _plot(doc: dict[str, Any], path: Path) -> str | None:
-    from gds_offload.bench.weights.plan_plot import plot_plan
-    from gds_offload.weights.planner import Plan
+    from gds_offload.bench.plan.plot import plot_plan
+    from gds_offload.weights.planning.planner import Plan
 
     measured: list[tuple[str, int, float]] = []
     for mode, res in doc["results"].items():

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from gds_offload.bench.docs.report import current_commit
 from gds_offload.commands.run_args import batch_sizes_arg, check_outputs, memory_limit_arg, modes_arg, positive_int, resolve_device, workdir_arg
 from gds_offload.errors import ConfigError
 
@@ -101,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rich.console import Console
 
-    from gds_offload.bench.docs.report import current_commit
 
     console = Console(stderr=True)
     started = time.time()

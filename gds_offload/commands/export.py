@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gds_offload.weights import StoreCorruptError
-    from gds_offload.weights.export import export
+    from gds_offload.weights.store.export import export
 
     if args.out is None and len(args.paths) < 2:
         print("gds-offload export: give STORE OUT (or the store's directories and --out OUT)", file=sys.stderr)

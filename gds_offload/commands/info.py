@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from gds_offload import __version__
-from gds_offload.activations.spill.store import SpillStore
 from gds_offload.errors import ConfigError
 from gds_offload.io.directory import Origin, spill_dir_origin
+from gds_offload.io.spill import SpillStore
 
 HELP = "show which storage engine mode='auto' picks here, and why"
 
@@ -25,7 +25,7 @@ def collect(path: Path | None) -> dict[str, object]:
     import torch
 
     from gds_offload.io.factory import make_engine
-    from gds_offload.io.kvikio_engine import kvikio_status
+    from gds_offload.io.kvikio.engine import kvikio_status
     from gds_offload.node.choice import choose_engine
 
     origin: Origin

@@ -23,8 +23,8 @@ from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from gds_offload.weights.planner import Plan, Profile
-    from gds_offload.weights.workload import Workload
+    from gds_offload.weights.planning.planner import Plan, Profile
+    from gds_offload.weights.planning.workload import Workload
 
 HELP = "measure a weight store's model here and plan a workload's shape under a memory limit (micro-batches per weight load, KV placement, ...)"
 
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.weights.measure import trust
-    from gds_offload.weights.planner import Finetune, Generate, check_feasible, choose
+    from gds_offload.weights.planning.planner import Finetune, Generate, check_feasible, choose
+    from gds_offload.weights.run.profile import trust
 
     try:
         memory = parse_bytes(args.memory, name="--memory")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot is not None:
-        from gds_offload.bench.weights.plan_plot import plot_plan
+        from gds_offload.bench.plan.plot import plot_plan
 
         plot_plan(plan, args.plot)
     if args.json:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace, workload: Workload, memory: int) -> Profile:
     from rich.console import Console
 
-    from gds_offload.weights.measure import measure
+    from gds_offload.weights.run.measure import measure
 
     console = Console(stderr=True)
     if not console.is_terminal:
@@ -111,7 +111,7 @@ def _render(plan: Plan) -> None:
         console.print(f"measured: read {p.read_Bps / 1e9:.2f} GB/s; a layer {format_bytes(p.layer_nbytes)}: prefill "
                       f"{p.prefill.per_row * 1e3:.3f} ms/token{chunked}, decode {p.decode.fixed * 1e3:.1f} ms + {p.decode.per_row * 1e3:.3f} ms/sequence; "
                       f"base memory {format_bytes(p.base_nbytes)}")  # fmt: skip
-    from gds_offload.weights.planner import variant
+    from gds_offload.weights.planning.planner import variant
 
     t = Table(title="the choice, and the best plan at each micro-batch size and variant")
     for col in ("shape", "resident+slots", "variant", "chunk", "tok/s", "peak", "bound", ""):

@@ -6,12 +6,10 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from gds_offload.bench.docs.headline import render_headline, splice
+from gds_offload.bench.docs.report import Section, load_sections, render_page
 from gds_offload.bench.docs.stale import freshness
-
-if TYPE_CHECKING:
-    from gds_offload.bench.docs.report import Section
 
 _DEFAULTS = {"--results": "docs/results", "--out": "docs/performance.md", "--readme": "README.md"}
 HELP = "regenerate the performance page (docs/performance.md) from the result files in docs/results/"
@@ -39,8 +37,6 @@ def _report_stale(sections: list[Section], results: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gds_offload.bench.docs.headline import render_headline, splice
-    from gds_offload.bench.docs.report import load_sections, render_page
 
     results, out = Path(args.results), Path(args.out)
     if not results.is_dir():

@@ -116,7 +116,7 @@ def base_spec(args: argparse.Namespace, device: str) -> Any:
     Raises:
         ConfigError: a bad size string or shape.
     """
-    from gds_offload.bench.data.train import data_defaults
+    from gds_offload.bench.train.data import data_defaults
     from gds_offload.bench.train.spec import RunSpec
     from gds_offload.models.gpt import GPTConfig, demo_preset
 

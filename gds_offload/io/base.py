@@ -1,7 +1,7 @@
 """The storage-engine interface: asynchronous writes and reads of byte tensors to spill slots.
 
 Every engine takes a *contiguous ``torch.uint8`` tensor* (the bytes of one storage)
-and a :class:`~gds_offload.activations.spill.store.Slot`, and returns an :class:`IOFuture`.
+and a :class:`~gds_offload.io.spill.Slot`, and returns an :class:`IOFuture`.
 
 .. note:: Buffer ownership (applies to every engine)
    The caller keeps ``src`` (for writes) and ``dst`` (for reads) alive and unmodified

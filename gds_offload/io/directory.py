@@ -3,7 +3,7 @@
 One truth for ``attach()``, ``gds-check`` and the commands: :func:`spill_dir_origin` names
 the default, :func:`check_dir` judges a directory without changing anything, and
 :func:`prepare_dir` creates a missing one (0700, parents included) and judges it again.
-The spill files inside it are :mod:`gds_offload.activations.spill.store`'s. The weight benchmarks' working
+The spill files inside it are :mod:`gds_offload.io.spill`'s. The weight benchmarks' working
 directory (``--workdir``, and its private default) is judged by the same rules.
 """
 from __future__ import annotations

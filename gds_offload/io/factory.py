@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 from gds_offload.errors import ConfigError
 from gds_offload.io.base import Engine
 from gds_offload.io.host import HostEngine
-from gds_offload.io.kvikio_engine import KvikIOEngine
+from gds_offload.io.kvikio.engine import KvikIOEngine
 from gds_offload.io.limits import TokenBucket
 from gds_offload.io.posix import PosixEngine
 
@@ -59,7 +59,7 @@ def make_engine(
             reads land in buffers of their own; ``None``: the default).
         max_bandwidth: a cap in bytes per second shared by reads and writes.
         strict: for ``gds``, :attr:`~gds_offload.node.choice.Choice.strict` (``False`` when
-            ``auto`` picked it); see :class:`~gds_offload.io.kvikio_engine.KvikIOEngine`.
+            ``auto`` picked it); see :class:`~gds_offload.io.kvikio.engine.KvikIOEngine`.
 
     Raises:
         ConfigError: an unknown engine name, or KvikIO unusable for ``gds``/``compat``.

@@ -14,7 +14,7 @@ import torch
 
 from gds_offload.errors import ConfigError, GDSUnavailableError
 from gds_offload.io.factory import EngineName, Mode, validate_mode
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 from gds_offload.node.verdict import node_verdict
 
 __all__ = ["Choice", "choose_engine"]
@@ -25,7 +25,7 @@ class Choice:
     """The engine ``mode`` resolves to on this node, and the one-line reason.
 
     ``strict``: ``mode="gds"`` was asked for by name, so the engine must turn cuFile's own
-    POSIX fallback off or fail (:class:`~gds_offload.io.kvikio_engine.KvikIOEngine`);
+    POSIX fallback off or fail (:class:`~gds_offload.io.kvikio.engine.KvikIOEngine`);
     ``auto`` resolved to ``gds`` is not strict."""
 
     engine: EngineName

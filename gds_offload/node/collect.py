@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
 
-from gds_offload.io.cufile_config import CufileConfig, read_cufile_config
 from gds_offload.io.directory import Origin
+from gds_offload.io.kvikio.cufile_config import CufileConfig, read_cufile_config
 from gds_offload.node.kvikio_child import KvikioProbe, probe_kvikio
 from gds_offload.node.paths import PathProbe, probe_path, statvfs_space
 from gds_offload.node.reader import Reader, env_map

@@ -4,7 +4,7 @@ This module is the stable import point; the code lives in modules with one job e
 
 * :mod:`~gds_offload.node.system`: GPUs and CUDA versions, libcufile, nvidia-fs, container;
 * :mod:`~gds_offload.node.kvikio_child`: KvikIO and the cuFile driver, in a child process;
-* :mod:`~gds_offload.io.cufile_config`: ``cufile.json``;
+* :mod:`~gds_offload.io.kvikio.cufile_config`: ``cufile.json``;
 * :mod:`~gds_offload.node.paths`: spill directories (mounts, block device, O_DIRECT, space);
 * :mod:`~gds_offload.node.topology`: GPU <-> drive PCIe/NUMA affinity;
 * :mod:`~gds_offload.node.collect`: :class:`NodeReport`, the :class:`Probes` boundary,
@@ -20,7 +20,7 @@ torch is imported inside :func:`probe_gpus`, KvikIO only in a child process
 """
 from __future__ import annotations
 
-from gds_offload.io.cufile_config import (
+from gds_offload.io.kvikio.cufile_config import (
     CUFILE_REPORTED_KEYS,  # noqa: F401 - importable here before the split
     CufileConfig,
     read_cufile_config,

@@ -1,6 +1,6 @@
 """How the probes see a node: small files under a root, the environment, sysfs PCI paths.
 
-Shared by :mod:`~gds_offload.node.system`, :mod:`~gds_offload.io.cufile_config`,
+Shared by :mod:`~gds_offload.node.system`, :mod:`~gds_offload.io.kvikio.cufile_config`,
 :mod:`~gds_offload.node.paths`, :mod:`~gds_offload.node.topology` and
 :mod:`~gds_offload.node.collect`. Nothing here raises for a missing or unreadable file.
 """

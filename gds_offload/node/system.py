@@ -3,7 +3,7 @@
 Each probe is a function over a *root* directory (``/`` on a real node; a fake tree in
 tests) and never raises. torch is imported only inside :func:`probe_gpus`; libcufile is
 found without being loaded. KvikIO lives in :mod:`~gds_offload.node.kvikio_child` and
-``cufile.json`` in :mod:`~gds_offload.io.cufile_config`.
+``cufile.json`` in :mod:`~gds_offload.io.kvikio.cufile_config`.
 """
 from __future__ import annotations
 

@@ -12,11 +12,10 @@ KvikIO/GPUDirect Storage) while the previous layer computes.
   :meth:`StreamedModel.generate_many` (layer-major: several micro-batches per weight load).
 * :func:`from_pretrained`: convert if needed, plan, and stream, in one call.
 * :class:`StreamedTrainer`: full fine-tuning, the streamed layers' weights and optimizer state
-  on the drive, a step written whole or not at all (:mod:`~gds_offload.weights.generations`).
+  on the drive, a step written whole or not at all (:mod:`~gds_offload.weights.store.steps`).
 """
 from __future__ import annotations
 
-from gds_offload.weights.convert import StoreCheck, convert, verify_store
 from gds_offload.weights.errors import (
     ConfigMismatchError,
     StoreCorruptError,
@@ -25,14 +24,15 @@ from gds_offload.weights.errors import (
     StoreTrustError,
     WeightsMismatchError,
 )
-from gds_offload.weights.export import Exported, export
-from gds_offload.weights.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
-from gds_offload.weights.measure import plan
-from gds_offload.weights.planner import Generate, Plan
-from gds_offload.weights.pretrained import from_pretrained
-from gds_offload.weights.reference import as_reference
-from gds_offload.weights.stream import StreamedModel, StreamStats, load_streamed
-from gds_offload.weights.trainer import StreamedTrainer
+from gds_offload.weights.planning.planner import Generate, Plan
+from gds_offload.weights.run.model import StreamedModel, StreamStats, load_streamed
+from gds_offload.weights.run.plan import plan
+from gds_offload.weights.run.pretrained import from_pretrained
+from gds_offload.weights.run.reference import as_reference
+from gds_offload.weights.store.convert import StoreCheck, convert, verify_store
+from gds_offload.weights.store.export import Exported, export
+from gds_offload.weights.store.manifest import FileEntry, GroupEntry, Manifest, TensorEntry, config_fingerprint, read_manifest
+from gds_offload.weights.train.trainer import StreamedTrainer
 
 __all__ = [
     "convert",

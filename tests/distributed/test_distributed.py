@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 from helpers.disks import real_disk_base
 
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ENGINES = ["posix"] + (["compat"] if kvikio_status()[0] else []) + ["host"]  # host last: see WRAPPERS

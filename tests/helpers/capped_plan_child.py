@@ -14,13 +14,14 @@ if __name__ == "__main__":
     sys.stdin.readline()  # moved into the cap
     import torch
 
-    from gds_offload.weights import from_pretrained, measure
-    from gds_offload.weights.planner import Generate
+    from gds_offload.weights import from_pretrained
+    from gds_offload.weights.planning.planner import Generate
+    from gds_offload.weights.run import plan as planning
 
     ckpt, store, memory = sys.argv[1:4]
     if sys.argv[4:] == ["isolate"]:  # the measuring child beside this process
-        original = measure.measure
-        measure.measure = lambda *a, **kw: original(*a, **kw, isolate=True)  # type: ignore[assignment]
+        original = planning.measure
+        planning.measure = lambda *a, **kw: original(*a, **kw, isolate=True)  # type: ignore[assignment]
     workload = Generate(prompts=8, prompt_len=8, new_tokens=4)
     with from_pretrained(ckpt, store=store, memory=memory, workload=workload) as lm:
         ids = torch.randint(1, 200, (8, 8), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from gds_offload.io.kvikio_engine import kvikio_status
+from gds_offload.io.kvikio.engine import kvikio_status
 
 __all__ = ["ENGINES", "ENGINE_MODES", "FILE_ENGINE_MODES", "KVIK_OK", "KVIK_WHY", "cuda_test", "requires_cuda", "requires_root"]
 

@@ -1,7 +1,8 @@
 """The package's import graph, read from its source (``ast``): what ``tests/test_lint.py`` checks.
 
 Every ``import``/``from ... import`` anywhere in a file counts, at module level or inside a
-function, except those under ``if TYPE_CHECKING:`` (they never run). ``from pkg import name``
+function; those under ``if TYPE_CHECKING:`` are marked ``type_only`` (they never run, but a
+reader follows them as arrows all the same). ``from pkg import name``
 is an edge to ``pkg.name`` when that is a module, else to ``pkg``. Relative imports are resolved.
 """
 from __future__ import annotations
@@ -16,12 +17,14 @@ __all__ = ["Edge", "ImportGraph", "find_cycle", "imports_of"]
 
 @dataclass(frozen=True)
 class Edge:
-    """``source`` imports ``target`` at ``line``; ``local``: inside a function (runs when it is called)."""
+    """``source`` imports ``target`` at ``line``; ``local``: inside a function (runs when it is called);
+    ``type_only``: under ``if TYPE_CHECKING:`` (never runs)."""
 
     source: str
     target: str
     line: int
     local: bool
+    type_only: bool = False
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -47,16 +50,15 @@ HEAVY = frozenset({"torch", "transformers", "peft", "accelerate", "safetensors",
                    "deepspeed", "lightning", "numpy", "rich", "xxhash"})
 
 
-def imports_of(path: Path, module: str, *, is_package: bool) -> Iterator[tuple[str, int, bool]]:
-    """``(imported name, line, local)`` for each name ``path`` imports (``from a import b`` gives ``a.b``)."""
+def imports_of(path: Path, module: str, *, is_package: bool) -> Iterator[tuple[str, int, bool, bool]]:
+    """``(imported name, line, local, type_only)`` for each name ``path`` imports (``from a import b`` gives ``a.b``)."""
     tree = ast.parse(path.read_text(), str(path))
-    skip, local = _type_checking_nodes(tree), _function_nodes(tree)
+    typing_only, local = _type_checking_nodes(tree), _function_nodes(tree)
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+        type_only = id(node) in typing_only
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, node.lineno, id(node) in local
+                yield alias.name, node.lineno, id(node) in local, type_only
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = module.split(".")
@@ -66,7 +68,7 @@ def imports_of(path: Path, module: str, *, is_package: bool) -> Iterator[tuple[s
             else:
                 mod = node.module or ""
             for alias in node.names:
-                yield f"{mod}.{alias.name}", node.lineno, id(node) in local
+                yield f"{mod}.{alias.name}", node.lineno, id(node) in local, type_only
 
 
 class ImportGraph:
@@ -84,11 +86,11 @@ class ImportGraph:
         #: Third-party top-level packages each module imports at module level.
         self.third_party: dict[str, set[str]] = {m: set() for m in self.files}
         for module, path in self.files.items():
-            for name, line, local in imports_of(path, module, is_package=path.name == "__init__.py"):
+            for name, line, local, type_only in imports_of(path, module, is_package=path.name == "__init__.py"):
                 target = self.resolve(name)
                 if target is not None and target != module:
-                    self.edges.append(Edge(module, target, line, local))
-                elif target is None and not local and not name.startswith(package):
+                    self.edges.append(Edge(module, target, line, local, type_only))
+                elif target is None and not local and not type_only and not name.startswith(package):
                     self.third_party[module].add(name.split(".")[0])
 
     def resolve(self, name: str) -> str | None:
@@ -101,16 +103,34 @@ class ImportGraph:
             parts.pop()
         return None
 
-    def heavy_modules(self) -> set[str]:
-        """The modules whose import loads a :data:`HEAVY` package: themselves at module level, or
-        through what they import at module level (a module's parent packages run first)."""
+    def load_deps(self) -> dict[str, set[str]]:
+        """For each module, the package's modules importing it runs: its module-level imports
+        (not type-only ones), and its parent packages (which run first)."""
         deps: dict[str, set[str]] = {m: set() for m in self.files}
         for e in self.edges:
-            if not e.local:
+            if not e.local and not e.type_only:
                 deps[e.source].add(e.target)
         for m in self.files:
             parts = m.split(".")
             deps[m].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in self.files)
+        return deps
+
+    def loaded_by(self, module: str) -> set[str]:
+        """Every module of the package that ``import module`` runs, itself included."""
+        deps = self.load_deps()
+        seen: set[str] = set()
+        todo = [module]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += deps[m]
+        return seen
+
+    def heavy_modules(self) -> set[str]:
+        """The modules whose import loads a :data:`HEAVY` package: themselves at module level, or
+        through what they import at module level (a module's parent packages run first)."""
+        deps = self.load_deps()
         heavy = {m for m, names in self.third_party.items() if names & HEAVY}
         changed = True
         while changed:

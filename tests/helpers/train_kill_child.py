@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from gds_offload.weights import load_streamed
-from gds_offload.weights.trainer import StreamedTrainer
+from gds_offload.weights.train.trainer import StreamedTrainer
 
 VOCAB = 256
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, foreach=False)

@@ -15,7 +15,7 @@ from gds_offload.activations.planning.policy import (
     Budget,
     BudgetError,
     OffloadAll,
-    Plan,
+    OffloadDecisions,
     Policy,
     PolicyConfig,
     decisions,
@@ -66,11 +66,11 @@ class AllPlanner(_Planner):
     def observe(self, profile: StepProfile) -> None:
         self._last = profile
 
-    def plan(self) -> Plan:
+    def plan(self) -> OffloadDecisions:
         offload = {k for k in range(self._units) if self.offload(k)}
         why = {k: ("offload all" if k in offload else f"last {self.keep_last} layer(s) kept") for k in range(self._units)}
         p = self._last
-        return Plan(
+        return OffloadDecisions(
             self.name,
             decisions(p, offload, why, self._units),
             write_bps=p.write_bps if p else 0.0,
@@ -144,7 +144,7 @@ class AdaptivePlanner(_Planner):
         self.prefetch_units = 1
         self._fallback = AllPlanner(OffloadAll(config.keep_last))
         self._measured = _Measured()
-        self._plan: Plan | None = None
+        self._plan: OffloadDecisions | None = None
         self._offload: set[int] | None = None
         self._planned_at: tuple[float, float] = (0.0, 0.0)
         self._planned_for: StepProfile | None = None
@@ -199,7 +199,7 @@ class AdaptivePlanner(_Planner):
         self._planned_for = p
         if why != "first profile" or self._events:
             self._events.append(f"re-planned: {why}; offloading {len(offload)} of {n} units")
-        self._plan = Plan(
+        self._plan = OffloadDecisions(
             self.name, decisions(p, offload, reasons, n), m.write_bps, m.read_bps, sim,
             reason=f"offload {len(offload)} of {n} units, prefetch {window} ahead, I/O hidden behind compute",
             events=list(self._events),
@@ -233,7 +233,7 @@ class AdaptivePlanner(_Planner):
             reasons.setdefault(k, "nothing eligible")
         return offload, sim, reasons
 
-    def plan(self) -> Plan:
+    def plan(self) -> OffloadDecisions:
         if self._plan is None:
             p = self._fallback.plan()
             p.policy, p.reason = self.name, f"profiling (the first {self.warmup_steps + 1} steps offload all but the last layers)"
@@ -251,7 +251,7 @@ class BudgetPlanner(_Planner):
         self._n = 0
         self._kept = 0  # number of units kept from the end
         self._error: BudgetError | None = None
-        self._plan: Plan | None = None
+        self._plan: OffloadDecisions | None = None
         self._events: list[str] = []
         self._measured = _Measured()
 
@@ -300,12 +300,12 @@ class BudgetPlanner(_Planner):
         offload = {k for k in range(n - self._kept)}
         sim = simulate(m.profile, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)  # type: ignore[arg-type]
         reasons = {k: ("offload: needed to stay under budget" if k in offload else "keep: fits in the budget") for k in range(n)}
-        self._plan = Plan(
+        self._plan = OffloadDecisions(
             self.name, decisions(m.profile, offload, reasons, n), m.write_bps, m.read_bps, sim,
             reason=f"peak under {format_bytes(self._limit)} (measured {format_bytes(measured)})", events=list(self._events),
         )
 
-    def plan(self) -> Plan:
+    def plan(self) -> OffloadDecisions:
         if self._plan is None:
-            return Plan(self.name, [], reason=f"profiling: first step offloads everything to measure (budget {format_bytes(self._limit)})")
+            return OffloadDecisions(self.name, [], reason=f"profiling: first step offloads everything to measure (budget {format_bytes(self._limit)})")
         return self._plan

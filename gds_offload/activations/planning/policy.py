@@ -21,14 +21,15 @@ two offloaders shares no measurement):
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gds_offload.activations.planning.profile import Simulation, StepProfile
 from gds_offload.errors import ConfigError, OffloadError
 from gds_offload.units import format_bytes, parse_bytes
 
-__all__ = ["Policy", "PolicyConfig", "OffloadAll", "Adaptive", "Budget", "BudgetError", "Plan", "UnitDecision", "decisions"]
+__all__ = ["Policy", "PolicyConfig", "OffloadAll", "Adaptive", "Budget", "BudgetError", "OffloadDecisions", "UnitDecision", "decisions"]
 
 
 class BudgetError(OffloadError):
@@ -47,8 +48,10 @@ class UnitDecision:
 
 
 @dataclass
-class Plan:
-    """A policy's current placement, with the measurements behind it.
+class OffloadDecisions:
+    """A policy's current decisions (offload or keep, per unit), with the measurements behind it.
+    (``Plan`` before; that name now means only the weight planner's
+    :class:`~gds_offload.weights.planning.planner.Plan`.)
 
     Printable as a rich table (``rich.print(off.plan())``).
     """
@@ -125,7 +128,7 @@ class Policy(Protocol):
 
     def observe(self, profile: StepProfile) -> None: ...
 
-    def plan(self) -> Plan: ...
+    def plan(self) -> OffloadDecisions: ...
 
 
 def decisions(profile: StepProfile | None, offload: set[int], why: dict[int, str], n_units: int) -> list[UnitDecision]:
@@ -166,7 +169,7 @@ class Adaptive:
     to hide their reads behind) until the simulated stall is under ``tolerance`` of the
     step. Later steps refine the measurements; the plan is redone when bandwidth moves
     by more than ``bandwidth_drift``, when sizes or the layer count change, or when a
-    step stalls longer than predicted (recorded in :attr:`Plan.events`).
+    step stalls longer than predicted (recorded in :attr:`OffloadDecisions.events`).
 
     Args:
         keep_last: units always kept at the end.
@@ -216,3 +219,11 @@ class Budget:
 
 #: A policy's configuration, as ``attach(policy=...)`` resolves it.
 PolicyConfig = OffloadAll | Adaptive | Budget
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Plan":  # the old name, for one release
+        warnings.warn("gds_offload.activations.planning.policy.Plan is now OffloadDecisions (gds_offload.OffloadDecisions)",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return OffloadDecisions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

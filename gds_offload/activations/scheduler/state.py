@@ -34,8 +34,8 @@ from gds_offload.errors import OffloadError
 
 if TYPE_CHECKING:
     from gds_offload.activations.planning.policy import Policy
-    from gds_offload.activations.spill.store import SpillStore
     from gds_offload.io.base import Engine, IOFuture
+    from gds_offload.io.spill import SpillStore
 
 __all__ = ["SchedulerState", "SchedulerConfig", "MIN_WRITE_WINDOW_BYTES", "cuda_ready"]
 

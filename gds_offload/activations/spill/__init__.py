@@ -1,1 +1,1 @@
-"""Where offloaded bytes live: the spill store, and each rank's directories."""
+"""Where offloaded activations go: each rank's directories, and the drive nearest each GPU (the spill files themselves are :mod:`gds_offload.io.spill`'s)."""

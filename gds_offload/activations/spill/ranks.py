@@ -30,7 +30,7 @@ versus ``[[a, b]]`` is easy to get wrong; ``per_rank`` says what it means at the
 site, checks its entries when it is built, and a list stays a stripe.
 
 Two ranks never share a file: every spill file is an unnamed file of one process
-(:mod:`gds_offload.activations.spill.store`). The default path and ``"auto"`` also give each rank its own
+(:mod:`gds_offload.io.spill`). The default path and ``"auto"`` also give each rank its own
 directory; an explicit directory without a rank field is shared by the ranks that name
 it (their files stay apart; they share the drive's space and bandwidth).
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gds_offload.bench.docs.summary import render_summary
-from gds_offload.bench.train.memory import CPU_SOURCE, CUDA_SOURCE
+from gds_offload.bench.machine import CPU_SOURCE, CUDA_SOURCE
 from gds_offload.units import format_bytes
 
 __all__ = ["Section", "load_sections", "render_page", "current_commit"]

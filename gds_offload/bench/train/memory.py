@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from gds_offload.bench.machine import CPU_SOURCE, CUDA_SOURCE
 from gds_offload.bench.train.spec import RunResult, RunSpec
 
 if TYPE_CHECKING:
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Peak", "adamw_with_state", "proc_status_bytes"]
 
-#: How a CPU peak is measured (``RunResult.memory_source``).
-CPU_SOURCE = "VmHWM - VmRSS before the first step (model and AdamW state built, mode not set up; MALLOC_MMAP_THRESHOLD_=65536)"
-#: How a CUDA peak is measured.
-CUDA_SOURCE = "torch.cuda.max_memory_allocated - memory_allocated before the first step (model and AdamW state built, mode not set up)"
 
 
 def proc_status_bytes(key: str) -> int | None:

@@ -80,7 +80,7 @@ class RunSpec:
     progress: bool = False
     #: Offload modes: alternate offloaded and paused steps (see :func:`gds_offload.bench.train.child.run_here`).
     paired: bool = False
-    #: Train on token shards from this directory (:mod:`gds_offload.bench.data.train`), not synthetic tokens.
+    #: Train on token shards from this directory (:mod:`gds_offload.bench.train.data`), not synthetic tokens.
     data: str | None = None
     #: ``torch.set_num_threads`` in the child (None: torch's default); ``bench --nproc`` gives
     #: one process and each rank the same count, so their compute is comparable.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gds_offload.bench.data.train import with_data
+from gds_offload.bench.train.data import with_data
 from gds_offload.bench.train.spec import RunSpec
 from gds_offload.models.gpt import GPTConfig, lm_loss, make_gpt, synthetic_batch
 

@@ -50,10 +50,10 @@ from typing import Any, Protocol, TypeVar
 from gds_offload.bench import procs
 from gds_offload.bench.cgroup import check_limit, remove_stale_groups
 from gds_offload.bench.weights.drive import cached_bytes, evict, raw_read_bandwidth, read_interference
-from gds_offload.io.kvikio_engine import DEFAULT_THREADS as KVIKIO_THREADS
+from gds_offload.io.kvikio.engine import DEFAULT_THREADS as KVIKIO_THREADS
 from gds_offload.weights import convert
 from gds_offload.weights.errors import StoreFormatError
-from gds_offload.weights.manifest import config_fingerprint, read_manifest
+from gds_offload.weights.store.manifest import config_fingerprint, read_manifest
 
 __all__ = ["BenchModel", "BenchSpec", "ChildSpec", "ChildResult", "ModeResult", "MODES", "CAPPED", "TINY", "DEFAULT_MODEL", "child_env", "child_rows", "serve_rows", "prepare", "remove_offload_folders", "run_bench",
            "run_inference_mode", "run_rounds", "summarize", "weight_files"]

@@ -35,8 +35,8 @@ from typing import Any
 from gds_offload.bench.weights.bench import BenchSpec, ModeResult, serve_rows, weight_files
 from gds_offload.bench.weights.drive import raw_read_bandwidth
 from gds_offload.weights import load_streamed
-from gds_offload.weights.manifest import read_manifest
-from gds_offload.weights.stream import DEFAULT_THREADS
+from gds_offload.weights.run.model import DEFAULT_THREADS
+from gds_offload.weights.store.manifest import read_manifest
 
 __all__ = ["run_child", "load_mode", "own_memory", "peak_rss", "read_bytes"]
 

@@ -8,7 +8,7 @@ the modes in :data:`~gds_offload.bench.weights.bench.CAPPED` under the memory ca
 (:func:`~gds_offload.bench.procs.run_child`), and compares every mode's losses and
 trained adapters with the resident mode's, bit for bit. A streamed step reads every
 streamed layer twice: once for the forward, once more for backward (the weights autograd
-saved, :mod:`gds_offload.weights.backward`), so a larger batch hides the reads behind more compute.
+saved, :mod:`gds_offload.weights.streaming.backward`), so a larger batch hides the reads behind more compute.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from gds_offload.bench.machine import describe_machine
 from gds_offload.bench.weights.bench import CAPPED, BenchModel, ChildResult, ChildSpec, child_rows, prepare, run_rounds, summarize, weight_files
 from gds_offload.bench.weights.drive import evict
 from gds_offload.units import format_bytes
-from gds_offload.weights.manifest import read_manifest
+from gds_offload.weights.store.manifest import read_manifest
 
 __all__ = ["FinetuneSpec", "StepResult", "finetune_document", "run_finetune_bench", "finetune_table", "MODES"]
 

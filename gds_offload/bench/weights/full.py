@@ -1,5 +1,5 @@
 """``gds-offload bench-finetune --full``: full fine-tuning (every weight, AdamW) resident, streamed
-from the drive by :class:`~gds_offload.weights.trainer.StreamedTrainer`, and under DeepSpeed's
+from the drive by :class:`~gds_offload.weights.train.trainer.StreamedTrainer`, and under DeepSpeed's
 ZeRO-Infinity, each mode in its own process (:mod:`gds_offload.bench.weights.full_child` says
 what a child measures).
 
@@ -27,7 +27,7 @@ from gds_offload.bench.weights.bench import BenchModel, ChildResult, ChildSpec, 
 from gds_offload.bench.weights.drive import evict
 from gds_offload.bench.weights.peer_loaders import build_deepspeed_ops
 from gds_offload.units import format_bytes
-from gds_offload.weights.manifest import read_manifest
+from gds_offload.weights.store.manifest import read_manifest
 
 __all__ = ["FULL_MODES", "FULL_CAPPED", "FullSpec", "FullResult", "full_document", "full_table", "full_targets", "run_full_bench"]
 

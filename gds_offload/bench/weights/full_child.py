@@ -16,7 +16,7 @@ Per mode:
   micro-batch ``loss.backward()``, then ``optimizer.step()``, ``zero_grad()``. The weights'
   hash is taken over ``save_pretrained``'s safetensors files.
 * ``drive``: a meta skeleton, :func:`~gds_offload.weights.load_streamed` (``verify=False``), and
-  :class:`~gds_offload.weights.trainer.StreamedTrainer` with a training directory of its own
+  :class:`~gds_offload.weights.train.trainer.StreamedTrainer` with a training directory of its own
   (removed afterwards); ``trainer.step(micro_batches, per_load=...)``. The hash is taken over
   :func:`~gds_offload.weights.export`'s files of the last step.
 * ``deepspeed-infinity``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on NVMe
@@ -44,7 +44,7 @@ from gds_offload.bench.weights.child import own_memory, peak_rss, read_bytes
 from gds_offload.bench.weights.full import FullResult, FullSpec
 from gds_offload.bench.weights.peer_loaders import deepspeed_config, deepspeed_nvme_dir
 from gds_offload.weights import export, load_streamed
-from gds_offload.weights.trainer import StreamedTrainer
+from gds_offload.weights.train.trainer import StreamedTrainer
 
 __all__ = ["run_child", "safetensors_xxh3", "written_bytes"]
 
