@@ -31,6 +31,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - imported before init_process_group: see there
 from torch.nn.parallel import DistributedDataParallel
 
 import gds_offload
@@ -52,6 +53,12 @@ launch = gds_offload.rank_env()
 cuda = torch.cuda.is_available()
 if cuda:
     torch.cuda.set_device(launch.local_rank or 0)
+# torch.distributed.nn.functional (which DDP imports on first use) binds ``group.WORLD`` as the
+# default argument of its functions when it is imported: imported after this line, it would hold
+# the process group for good. destroy_process_group() could then not free the group, gloo's
+# worker threads would run on into interpreter exit, and one still releasing a finished
+# collective's tensor there aborts the rank ("terminate called without an active exception").
+# Hence its import above.
 dist.init_process_group("nccl" if cuda else "gloo", rank=launch.rank or 0, world_size=launch.world_size)
 rank, world = dist.get_rank(), dist.get_world_size()
 device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -621,19 +621,3 @@ def test_architectures_stream_and_backward_exactly(arch: str, ids: torch.Tensor,
         _assert_equal(_step(_trainable(h.model, (embed,)), ids, (embed,)), want)
         s = h.stats()
         assert _backward(s) == _again(3, 1)
-
-
-def test_a_checkpoint_transformers_converts_at_load_is_refused(tmp_path: Path) -> None:
-    """Mixtral's per-expert checkpoint tensors are fused into one tensor per layer at load
-    (transformers 5): a store holds them as saved, so streaming them is refused, by name."""
-    import accelerate
-
-    pytest.importorskip("transformers.core_model_loading", reason="transformers < 5 loads Mixtral's experts as saved")
-    cfg = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **(_SMALL | {"num_hidden_layers": 2}))
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "store")
-    with accelerate.init_empty_weights():
-        skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "store"))
-    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.w\d\.weight: transformers merges or splits .*not supported yet"):
-        load_streamed(skeleton, tmp_path / "store")

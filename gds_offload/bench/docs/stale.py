@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["EXERCISES", "Freshness", "exercised_paths", "freshness"]
 
 _IO = ("gds_offload/io",)
-_WEIGHTS = ("gds_offload/weights", "gds_offload/activations", *_IO, "gds_offload/bench/weights", "gds_offload/bench/procs.py",
-            "gds_offload/bench/cgroup.py", "gds_offload/bench/raw_io.py")  # fmt: skip
+_WEIGHTS = ("gds_offload/weights", "gds_offload/activations", *_IO, "gds_offload/runtime", "gds_offload/bench/weights",
+            "gds_offload/bench/procs.py", "gds_offload/bench/cgroup.py", "gds_offload/bench/raw_io.py")  # fmt: skip
 
 #: The source paths (files or folders, from the repository root) whose code each result-writing
 #: subcommand of ``gds-offload`` measures: the library it runs and the benchmark code that
@@ -36,7 +36,7 @@ EXERCISES: dict[str, tuple[str, ...]] = {
     "bench": ("gds_offload/activations", *_IO, "gds_offload/models", "gds_offload/bench/train", "gds_offload/bench/procs.py"),
     "bench-weights": _WEIGHTS,
     "bench-finetune": _WEIGHTS,
-    "bench-plan": _WEIGHTS,
+    "bench-plan": (*_WEIGHTS, "gds_offload/bench/plan"),
     "shards": ("gds_offload/data", *_IO, "gds_offload/models", "gds_offload/bench/data", "gds_offload/bench/train"),
 }
 

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank of the demo (started by ``gds-offload demo --nproc N`` under torchrun)."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.nn.functional  # noqa: F401 - before init_process_group: see examples/torchrun_ddp.py
     from rich.console import Console
 
     spec = child_spec(argv, "gds_offload.bench.train.demo_ranks", __doc__.splitlines()[0])

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank (started by :func:`run_ranked` under torchrun): run the ``--spec`` under DDP."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.nn.functional  # noqa: F401 - before init_process_group: see examples/torchrun_ddp.py
 
     spec = child_spec(argv, "gds_offload.bench.train.ranks_runner", __doc__.splitlines()[0])
     cuda = spec.device.startswith("cuda")

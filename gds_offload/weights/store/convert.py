@@ -47,6 +47,7 @@ from gds_offload.units import format_bytes
 from gds_offload.weights.errors import StoreCorruptError, StoreSpaceError
 from gds_offload.weights.store.config import CONFIG_NAME, GENERATION_CONFIG_NAME
 from gds_offload.weights.store.files import StoreFiles, aligned_host_buffer, read_group, resolve_dirs
+from gds_offload.weights.store.fused import MODEL_FORM, ModelForm
 from gds_offload.weights.store.hf_checkpoint import Checkpoint, find_checkpoint, group_tensors, open_tensors, plan_layout
 from gds_offload.weights.store.manifest import (
     MANIFEST_NAME,
@@ -124,8 +125,10 @@ def convert(
     dirs = resolve_dirs(out)
     if len({d.resolve() for d in dirs}) != len(dirs):
         raise ConfigError(f"out lists a directory twice ({', '.join(map(str, dirs))}); give each drive's directory once")
-    prefix, where = group_tensors([t.name for t in ckpt.tensors], layer_prefix)
-    groups, entries, sizes = plan_layout(ckpt.tensors, where, prefix, n_files=len(dirs), tensor_align=tensor_align)
+    form = ModelForm.of(ckpt)  # experts transformers fuses at load: stored as the model holds them
+    tensors = form.tensors if form is not None else ckpt.tensors
+    prefix, where = group_tensors([t.name for t in tensors], layer_prefix)
+    groups, entries, sizes = plan_layout(tensors, where, prefix, n_files=len(dirs), tensor_align=tensor_align)
     try:
         fingerprint = config_fingerprint(config if config is not None else ckpt.config)
     except (OSError, ValueError) as exc:
@@ -141,7 +144,8 @@ def convert(
         layer_prefix=prefix,
         tensor_align=tensor_align,
         dirs=[str(d.resolve()) for d in dirs],
-        source={"checkpoint": str(Path(checkpoint_dir).resolve()), "files": [f.name for f in ckpt.files]},
+        source={"checkpoint": str(Path(checkpoint_dir).resolve()), "files": [f.name for f in ckpt.files],
+                **({"form": MODEL_FORM} if form is not None else {})},
     )
     manifest.validate(where="the planned layout")
     dfds = prepare_dirs(dirs, checkpoint=ckpt.dir, overwrite=overwrite)
@@ -149,7 +153,7 @@ def convert(
         _check_space(dirs, sizes)
         fds = _reserve(dirs, dfds, sizes)
         try:
-            manifest.groups, manifest.tensors = _write_groups(ckpt, manifest, fds, progress)
+            manifest.groups, manifest.tensors = _write_groups(ckpt, manifest, fds, progress, form)
             for fd, _ in fds:
                 os.fsync(fd)
             for fd, _ in fds:
@@ -308,9 +312,10 @@ def _reserve(dirs: list[Path], dfds: list[int], sizes: list[int]) -> list[tuple[
 
 
 def _write_groups(
-    ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]], progress: Progress | None
+    ckpt: Checkpoint, manifest: Manifest, fds: list[tuple[int, bool]], progress: Progress | None, form: ModelForm | None
 ) -> tuple[list[GroupEntry], list[TensorEntry]]:
-    """Pack, hash and write every group; returns the groups and the tensors with their checksums."""
+    """Pack, hash and write every group (its tensors made by ``form``, when the store is in the
+    model's form); returns the groups and the tensors with their checksums."""
     total, issued = manifest.total_nbytes(), 0
     files = [File(id=i, path=Path(manifest.dirs[e.dir]) / e.path, fd=fd, direct=direct, unnamed=False, what="weight store file")
              for i, (e, (fd, direct)) in enumerate(zip(manifest.files, fds))]
@@ -325,15 +330,18 @@ def _write_groups(
     hashes: dict[str, int] = {}
     try:
         with open_tensors(ckpt) as handles:
-            source = {t.name: handles[t.file] for t in ckpt.tensors}
+            source = {t.name: handles[t.file] for t in ckpt.tensors}  # the checkpoint's form
             for i, g in enumerate(manifest.groups):
                 buf = buffers[i % 2]
                 previous = in_flight[i % 2]
                 if previous is not None:
                     previous.wait()  # the buffer's previous group is on the drive
                 buf[: g.padded_nbytes].zero_()
-                for t in members.get(g.name, []):
-                    hashes[t.name] = _pack(source[t.name], t, buf, g.offset)
+                inside = members.get(g.name, [])
+                made = form.layer([t.name for t in inside], handles) if form is not None else {}
+                for t in inside:
+                    tensor = made[t.name] if form is not None else source[t.name].get_tensor(t.name)  # type: ignore[attr-defined]
+                    hashes[t.name] = _pack(tensor, t, buf, g.offset)
                 data = buf[: g.nbytes]
                 done.append(GroupEntry(g.name, g.layer, g.file, g.offset, g.nbytes, checksum(data)))
                 if g.nbytes:
@@ -349,9 +357,8 @@ def _write_groups(
     return done, [dataclasses.replace(t, xxh3_64=hashes[t.name]) for t in manifest.tensors]
 
 
-def _pack(handle: object, entry: TensorEntry, buf: torch.Tensor, group_offset: int) -> int:
-    """Copy the tensor into its place in ``buf`` (holding its group from file offset ``group_offset``); its xxh3-64."""
-    tensor = handle.get_tensor(entry.name)  # type: ignore[attr-defined]
+def _pack(tensor: torch.Tensor, entry: TensorEntry, buf: torch.Tensor, group_offset: int) -> int:
+    """Copy ``tensor`` into its place in ``buf`` (holding its group from file offset ``group_offset``); its xxh3-64."""
     if tensor.dtype != getattr(torch, entry.dtype) or tuple(tensor.shape) != entry.shape:
         raise ConfigError(f"tensor {entry.name}: header says {entry.dtype} {entry.shape}, data is {tensor.dtype} {tuple(tensor.shape)}")
     lo = entry.offset - group_offset

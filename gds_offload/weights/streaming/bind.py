@@ -28,6 +28,7 @@ from gds_offload.errors import ConfigError
 from gds_offload.weights.errors import WeightsMismatchError
 from gds_offload.weights.store.advice import reconvert_command
 from gds_offload.weights.store.files import view_of
+from gds_offload.weights.store.fused import MODEL_FORM
 from gds_offload.weights.store.manifest import RESIDENT, GroupEntry, Manifest, TensorEntry
 
 __all__ = ["Target", "Binding", "bind", "rebuild_meta_buffers"]
@@ -144,7 +145,9 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         ConfigError: a tied group spans a layer and something outside it (cannot be streamed).
     """
     entries = {t.name: t for t in manifest.tensors}
-    to_model = checkpoint_renames(model)
+    # A store in the model's form (store/fused.py) holds the model's names already.
+    redo = reconvert_command([where], manifest.source.get("checkpoint"))
+    to_model = (lambda name: name) if manifest.source.get("form") == MODEL_FORM else checkpoint_renames(model, redo=redo)
     store_of = {to_model(n): n for n in entries}  # the model's name for each store tensor -> the store's
     used: set[str] = set()
     missing: list[str] = []
@@ -160,7 +163,7 @@ def bind(model: nn.Module, manifest: Manifest, *, where: str, rename: Callable[[
         if not stored:
             missing.append(names[0] + (f" (tied with {', '.join(names[1:])})" if len(names) > 1 else ""))
             continue
-        if len(stored) > 1 and _tie_breaks(names, stored, entries, redo=reconvert_command([where], manifest.source.get("checkpoint"))):
+        if len(stored) > 1 and _tie_breaks(names, stored, entries, redo=redo):
             # transformers' rule (PreTrainedModel.tie_weights in from_pretrained): tied names the checkpoint
             # holds with different values are untied, each getting its own; so here.
             for name in stored:
@@ -229,13 +232,15 @@ def _tie_breaks(names: list[str], stored: list[str], entries: dict[str, TensorEn
     return True
 
 
-def checkpoint_renames(model: nn.Module) -> Callable[[str], str]:
+def checkpoint_renames(model: nn.Module, *, redo: str) -> Callable[[str], str]:
     """The model's name for a checkpoint (store) tensor: the renamings ``from_pretrained`` applies
     (transformers >= 5: GPT-NeoX's ``embed_out`` is ``lm_head``); the name itself without them.
 
     Raises (from the returned function):
         ConfigError: a checkpoint tensor that transformers would merge or split at load (its
-            ``WeightConverter``s, e.g. fused MoE experts): a store holds tensors as the checkpoint does.
+            ``WeightConverter``s, e.g. MoE experts fused into one tensor) in a store that holds the
+            checkpoint's form: converted before stores took the model's form (:mod:`~gds_offload.weights.store.fused`);
+            ``redo`` is the command that converts it again.
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -256,8 +261,8 @@ def checkpoint_renames(model: nn.Module) -> Callable[[str], str]:
             if c.rename_source_key(name)[1] is not None:
                 raise ConfigError(
                     f"{name}: transformers merges or splits this checkpoint tensor at load ({type(c).__name__}: e.g. MoE "
-                    f"experts fused into one tensor), while a weight store holds the checkpoint's tensors as they are; "
-                    f"streaming {type(model).__name__} is not supported yet"
+                    f"experts fused into one tensor), and this store holds the checkpoint's tensors as they are (it was "
+                    f"converted before stores held the model's form). Convert the checkpoint again: {redo}"
                 )
         return name
 
