@@ -31,13 +31,18 @@ def _command(result: Path) -> list[str]:
     words = shlex.split(data["command"])
     if words[:1] != ["gds-offload"]:
         raise SystemExit(f"{result}: its command does not start with gds-offload: {data['command']}")
-    exe = shutil.which("gds-offload") or str(Path(sys.executable).parent / "gds-offload")
-    out = [exe, *words[1:]]
+    out = [_program(), *words[1:]]
     if "--out" in out:
         out[out.index("--out") + 1] = str(result)
     else:
         out += ["--out", str(result)]
     return out
+
+
+def _program() -> str:
+    """``gds-offload`` of this interpreter's environment (the one ``scripts/setup.sh`` made), else on PATH."""
+    here = Path(sys.executable).parent / "gds-offload"
+    return str(here) if here.is_file() else (shutil.which("gds-offload") or "gds-offload")
 
 
 def _selected(names: list[str]) -> list[Path]:
@@ -71,7 +76,7 @@ def main() -> int:
                 print(f"{result.name}: exit {done.returncode}; the results after it were not measured again", file=sys.stderr)
                 return done.returncode
     if not args.dry_run:
-        return subprocess.run([shutil.which("gds-offload") or "gds-offload", "report"], cwd=REPO).returncode
+        return subprocess.run([_program(), "report"], cwd=REPO).returncode
     return 0
 
 

@@ -247,3 +247,18 @@ def test_full_finetuning_of_a_moe_equals_resident_training(base: Path, tmp_path:
     assert sorted(weights) == sorted(expected) and all(torch.equal(weights[k], expected[k]) for k in expected)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()  # transformers loads the fused form as it is
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_gpt_oss_whose_checkpoint_holds_fused_experts_streams_as_it_is(base: Path) -> None:
+    """gpt-oss saves its experts fused, as the model holds them: transformers converts nothing, and
+    the store keeps the checkpoint's form (and names), streaming exactly."""
+    cfg = transformers.GptOssConfig(**_COMMON, intermediate_size=32, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(base / "ckpt-gpt-oss")
+    manifest = convert(base / "ckpt-gpt-oss", base / "store-gpt-oss")
+    assert "form" not in manifest.source
+    assert sorted(t.name for t in manifest.tensors) == sorted(_safetensors_names(base / "ckpt-gpt-oss"))
+    ids = _ids()
+    with load_streamed(_skeleton(base / "store-gpt-oss"), base / "store-gpt-oss") as lm, torch.no_grad():
+        assert torch.equal(lm(ids).logits, _reference(base / "ckpt-gpt-oss")(ids).logits)
