@@ -18,7 +18,8 @@ Figures in the summary:
   last step is offloaded and has no partner. When nothing was offloaded (every saved tensor
   under ``min_bytes``, as in a tiny ``--hidden``), a line says so and what to change.
 * **peak activation memory**: measured from outside the offloader (peak RSS, or CUDA
-  peak allocation, above the post-warm-up baseline; see :mod:`gds_offload.bench.train.child`),
+  peak allocation, above a baseline taken before the first step, model and optimizer state
+  built; see :mod:`gds_offload.bench.train.memory`),
   and the offloader's own ``peak_resident_bytes`` (saved-activation bytes it held at once).
 * **I/O hidden behind compute**: ``1 - io_wait_s / (write_s + read_s)``:
   of the time the engine was moving bytes, the share during which the training thread
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     for note in summary_notes(off, DEFAULT_MIN_BYTES if spec.min_bytes is None else spec.min_bytes):
         console.print(note, markup=False, highlight=False)
     console.print(
-        "[dim]peak activation memory: peak RSS (or CUDA allocation) above the post-warm-up baseline, each run in its own "
+        "[dim]peak activation memory: peak RSS (or CUDA allocation) above a baseline taken before the first step (model and "
+        "optimizer state built), each run in its own "
         "process. I/O hidden behind compute = 1 - io_wait / (write + read busy time): the share of the drive's busy time "
         "the training thread did not wait for; CPU time taken by I/O threads shows in the step-time ratio instead.[/]"
     )

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional  # noqa: F401 - before init_process_group: see examples/torchrun_ddp.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
