@@ -70,8 +70,11 @@ def attach(
         keep_last: number of last layer calls whose activations stay in memory
             (backward needs them first).
         layers: the blocks to plan by, as modules or qualified names.
-        prefetch_bytes: bytes of reads issued ahead of the layer in backward; default: one
-            layer ahead (``adaptive`` deepens it when the drive needs more time).
+        prefetch_bytes: bytes read ahead of the tensor backward unpacks, tensor by tensor in
+            the reverse of the order forward saved them (at least one tensor; ``0``: each read
+            starts when backward needs it). Default: a sixteenth of the largest layer's
+            offloaded bytes, at most 256 MiB (``adaptive`` reads whole layers ahead instead
+            when the drive needs more time).
         max_bandwidth: cap the engine at this many bytes/s (``"200MB/s"``): imitate a slow
             drive, or leave bandwidth to other jobs.
         on_error: when a write fails (drive full, I/O error): ``fallback`` keeps the tensor
@@ -93,17 +96,19 @@ def attach(
     * ``K``: what it keeps, never written (the last ``keep_last`` layer calls, storages under
       ``min_bytes``, units the policy keeps, failed writes): ``stats().peak_kept_bytes``;
     * ``W``: ``write_window``; writes in flight hold at most ``max(W, L)``;
-    * ``L``: the largest layer's offloaded bytes in one forward; ``P``: ``prefetch_bytes``
-      (default: the policy's depth, one layer for ``policy="all"``, so ``P = L``); reads hold
-      at most ``L + max(P, L)``: the layer in backward and those read ahead of it.
+    * ``L``: the largest layer's offloaded bytes in one forward; ``P``: ``prefetch_bytes``;
+      reads hold at most ``L + max(P, L)``: the layer in backward and what is read ahead of it.
 
-    With the defaults (``W = max(64 MiB, 2L)``, ``P = L``) that is ``K + W + 2L``. Outside
-    these bytes, the ``posix`` and ``compat`` engines keep host read buffers freed by
-    autograd for the reads still to come in that backward, never more than those reads'
-    bytes (:meth:`~gds_offload.io.base.Engine.trim`): none is idle once backward has nothing
-    left to read, where the gradients peak, nor through the next forward. ``stats()`` counts
-    them (``peak_read_buffer_bytes``, ``idle_buffer_bytes``) and says what it leaves out
-    (:class:`~gds_offload.activations.stats.OffloadStats`).
+    With the defaults (``W = max(64 MiB, 2L)``, ``P = L/16``) that is ``K + W + 2L``. Reading by
+    bytes (every policy but an ``adaptive`` plan that reads whole layers ahead), reads hold much
+    less: the tensors backward is using, plus at most ``max(P, E)`` read ahead (``E``: the
+    largest saved storage; none with ``prefetch_bytes=0``), and each read's buffer is freed when
+    autograd is done with it. Reading whole layers, the ``posix`` and ``compat`` engines keep
+    host read buffers freed by autograd for the reads still to come in that backward, never
+    more than those reads' bytes (:meth:`~gds_offload.io.base.Engine.trim`): none is idle once
+    backward has nothing left to read, where the gradients peak, nor through the next forward.
+    ``stats()`` counts them (``peak_read_buffer_bytes``, ``idle_buffer_bytes``) and says what it
+    leaves out (:class:`~gds_offload.activations.stats.OffloadStats`).
 
     Returns:
         The :class:`Offloader`; also a context manager that detaches on exit.

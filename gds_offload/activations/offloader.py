@@ -14,8 +14,8 @@ Hooks installed (all removed by :meth:`Offloader.detach`):
 * root forward hook (``always_call=True``, so an exception in forward still pops the
   hooks): leaves it, and marks the start of backward on the output's ``grad_fn``;
 * per layer: a forward pre-hook (a new unit starts) and a forward hook that puts a
-  pre-hook on the layer output's ``grad_fn``: when backward reaches that layer, the
-  reads of the layers below are issued (prefetch);
+  pre-hook on the layer output's ``grad_fn``: when backward reaches that layer, and at
+  each unpack, the reads of the tensors backward needs next are issued (prefetch);
 * ``model.forward`` wrapped in an :class:`~gds_offload.activations.lifetime.InterruptGuard` (an
   instance attribute): the ``always_call`` hook above does not run for
   ``KeyboardInterrupt``/``SystemExit``, the guard pops the hooks then.

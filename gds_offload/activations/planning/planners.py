@@ -26,11 +26,18 @@ from gds_offload.units import format_bytes
 __all__ = ["AdaptivePlanner", "AllPlanner", "BudgetPlanner", "make_planner"]
 
 
+#: The read-ahead a budget plan's peak is simulated with: one layer, more than reading by bytes
+#: holds, so the predicted peak bounds the one that runs.
+_BUDGET_WINDOW = 1
+
+
 class _Planner:
-    """What every planner has: its policy's name, its prefetch depth, and whether it reads step times."""
+    """What every planner has: its policy's name, how backward reads ahead, and whether it reads step times."""
 
     name = ""
-    prefetch_units = 1
+    #: Whole layers read ahead in backward; ``None``: tensor by tensor, the scheduler's read-ahead
+    #: in bytes. Only a plan that simulates its reads layer by layer (adaptive's) asks for layers.
+    prefetch_units: int | None = None
     #: Whether ``observe`` uses the profile's times (reading CUDA events synchronises the device).
     needs_timing = True
 
@@ -289,16 +296,16 @@ class BudgetPlanner(_Planner):
             # measured peak, stays under the budget.
             p = m.profile
             assert p is not None, "observe recorded a profile"
-            current = simulate(p, set(range(n - self._kept)), write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)
+            current = simulate(p, set(range(n - self._kept)), write_bps=m.write_bps, read_bps=m.read_bps, window_units=_BUDGET_WINDOW)
             offset = max(0, measured - current.peak_bytes)
             while self._kept < n:
                 trial = set(range(n - self._kept - 1))
-                sim = simulate(p, trial, write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)
+                sim = simulate(p, trial, write_bps=m.write_bps, read_bps=m.read_bps, window_units=_BUDGET_WINDOW)
                 if sim.peak_bytes + offset > self._limit:
                     break
                 self._kept += 1
         offload = {k for k in range(n - self._kept)}
-        sim = simulate(m.profile, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=self.prefetch_units)  # type: ignore[arg-type]
+        sim = simulate(m.profile, offload, write_bps=m.write_bps, read_bps=m.read_bps, window_units=_BUDGET_WINDOW)  # type: ignore[arg-type]
         reasons = {k: ("offload: needed to stay under budget" if k in offload else "keep: fits in the budget") for k in range(n)}
         self._plan = OffloadDecisions(
             self.name, decisions(m.profile, offload, reasons, n), m.write_bps, m.read_bps, sim,

@@ -114,11 +114,12 @@ class Policy(Protocol):
     found, for the first). ``offload(unit)`` is then called from the pack hook, so it
     must be cheap and must not block. ``observe`` gets each step's profile when its
     backward ends (on the thread that ran backward). ``prefetch_units`` is how many
-    offloaded units below the one in backward have their reads in flight.
+    offloaded units below the one in backward have their reads in flight; ``None``: reads go
+    tensor by tensor, within the scheduler's read-ahead in bytes.
     """
 
     name: str
-    prefetch_units: int
+    prefetch_units: int | None
     #: Whether ``observe`` uses the profile's times (reading CUDA events synchronises the device).
     needs_timing: bool
 

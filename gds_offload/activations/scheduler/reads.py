@@ -5,9 +5,12 @@ Three callers need an entry's bytes in memory again:
 * the unpack hook (:meth:`ReadPath._bytes_of`): the bytes already in memory (kept, a
   write still holding its source, loaded), else the entry's read (issued by prefetch, or
   issued now), waited for if it has not finished (a stall, counted);
-* backward reaching a layer (:meth:`ReadPath._prefetch`): the reads of that layer and of
-  the offloaded layers below it, within ``prefetch_bytes`` or the policy's
-  ``prefetch_units``;
+* backward reaching a layer or unpacking a tensor (:meth:`ReadPath._prefetch`): the
+  reads of the tensors backward will unpack next, in the reverse of the order forward
+  saved them, up to the read-ahead in bytes (``prefetch_bytes``, else
+  :meth:`~gds_offload.activations.scheduler.state.SchedulerState._read_ahead`); or,
+  when the policy asks for layers (``prefetch_units``), of whole layers: that
+  layer's and those of the offloaded layers below it;
 * ``detach()`` (:meth:`ReadPath.materialize_all`): every live entry whose bytes are only
   on the drive, read back and kept, so a graph still alive runs its backward without the
   offloader.
@@ -31,6 +34,7 @@ from gds_offload.errors import OffloadError
 from gds_offload.io.integrity import checked_read
 
 if TYPE_CHECKING:
+    from gds_offload.activations.planning.profile import ForwardRecord
     from gds_offload.io.base import IOFuture
 
 __all__ = ["ReadPath"]
@@ -123,33 +127,59 @@ class ReadPath(SchedulerState):
             self._reads.pop(read.token, None)
 
     def _prefetch(self, forward_id: int, unit: int) -> None:
-        """Issue the reads of ``unit`` and of the offloaded units below it within the window.
-
-        The window is ``prefetch_bytes`` when set, else the policy's ``prefetch_units``
-        offloaded units (units kept in memory need no read and are not counted).
-        """
+        """Issue the reads backward needs next, from ``unit`` down: by bytes or by whole layers
+        (:meth:`~gds_offload.activations.scheduler.state.SchedulerState._read_ahead`)."""
         with self._lock:
             fwd = self.forwards.get(forward_id)
             if fwd is None:
                 return
-            max_bytes, max_units = self.config.prefetch_bytes, self.policy.prefetch_units
-            ahead_bytes = ahead_units = 0
-            for k in range(min(unit, fwd.unit), -1, -1):
-                u = fwd.units[k]
-                if k < unit and not u.offloaded_bytes:
-                    continue
-                if k < unit:
-                    full = ahead_bytes + u.offloaded_bytes > max_bytes if max_bytes is not None else ahead_units >= max_units
-                    if ahead_units and full:
-                        break
-                    ahead_units += 1
-                    ahead_bytes += u.offloaded_bytes
-                if u.prefetched:
-                    continue
-                u.prefetched = True
-                for e in u.entries:
-                    if e.state is State.ON_DRIVE and e.handles and e.generation == self._generation:
-                        self._issue_read(e)
+            ahead, units = self._read_ahead(), self.policy.prefetch_units
+            if ahead is None and units is not None:
+                self._prefetch_layers(fwd, unit, units)
+            else:
+                self._prefetch_bytes(fwd, unit, ahead or 0)
+
+    def _prefetch_bytes(self, fwd: ForwardRecord, unit: int, window: int) -> None:
+        """Read ahead, tensor by tensor in the reverse of their saving order, until the bytes
+        read (or being read) and not yet unpacked reach ``window``; at least one tensor,
+        unless ``window`` is 0 (each read then starts when backward unpacks it). Caller holds the lock."""
+        if not self._held["unread"]:
+            return  # every read is issued: no need to walk the entries at each unpack
+        held = 0
+        for k in range(min(unit, fwd.unit), -1, -1):
+            u = fwd.units[k]
+            for e in reversed(u.entries):
+                if not e.pending or e.generation != self._generation:
+                    continue  # unpacked already (autograd holds it), or the parent's
+                if e.state is State.ON_DRIVE:
+                    if held + e.nbytes > window and (held or not window):
+                        return
+                    u.prefetched = True
+                    self._issue_read(e)
+                elif e.state not in (State.READING, State.LOADED):
+                    continue  # in memory already, counted elsewhere (kept, writing)
+                held += e.nbytes
+                if held >= window:
+                    return
+
+    def _prefetch_layers(self, fwd: ForwardRecord, unit: int, max_units: int) -> None:
+        """Issue the reads of ``unit`` and of up to ``max_units`` offloaded units below it
+        (units kept in memory need no read and are not counted). Caller holds the lock."""
+        ahead_units = 0
+        for k in range(min(unit, fwd.unit), -1, -1):
+            u = fwd.units[k]
+            if k < unit and not u.offloaded_bytes:
+                continue
+            if k < unit:
+                if ahead_units >= max_units:
+                    break
+                ahead_units += 1
+            if u.prefetched:
+                continue
+            u.prefetched = True
+            for e in u.entries:
+                if e.state is State.ON_DRIVE and e.handles and e.generation == self._generation:
+                    self._issue_read(e)
 
     def materialize_all(self) -> None:
         """Bring every live entry whose bytes are only on the drive back into memory, and free its slot.

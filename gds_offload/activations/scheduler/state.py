@@ -41,6 +41,10 @@ __all__ = ["SchedulerState", "SchedulerConfig", "MIN_WRITE_WINDOW_BYTES", "cuda_
 
 #: The derived write window is twice the largest layer's offloaded bytes, and at least this.
 MIN_WRITE_WINDOW_BYTES = 64 << 20
+#: The default read-ahead is the largest layer's offloaded bytes over this, at most the bytes below
+#: (and at least one tensor: :meth:`~gds_offload.activations.scheduler.reads.ReadPath._prefetch_bytes`).
+READ_AHEAD_DIVISOR = 16
+MAX_READ_AHEAD_BYTES = 256 << 20
 #: What ``_held`` counts (:attr:`Entry.budget`): bytes in memory kept, held by writes in flight,
 #: read back; and bytes only on the drive that backward has yet to read (no memory).
 _BUDGETS = ("kept", "writing", "loaded", "unread")
@@ -50,7 +54,8 @@ _BUDGETS = ("kept", "writing", "loaded", "unread")
 class SchedulerConfig:
     #: Storages smaller than this stay in memory: small transfers cost more than they save.
     min_bytes: int
-    #: Bytes of reads kept in flight ahead of backward; ``None``: the policy's ``prefetch_units``.
+    #: Bytes read ahead of the tensor backward unpacks; ``None``: the policy's ``prefetch_units``
+    #: whole layers when it asks for layers, else the default (:meth:`SchedulerState._read_ahead`).
     prefetch_bytes: int | None
     #: What a failed write does: keep the tensor resident and warn, or raise.
     on_error: Literal["fallback", "raise"]
@@ -130,7 +135,7 @@ class SchedulerState:
         if left == "unread":
             # Read (or freed unread): idle read buffers beyond the bytes still to read would
             # never be used again; the engine gives them back now and as they die.
-            self.engine.trim(self._held["unread"])
+            self.engine.trim(self._reusable())
         s = self._stats
         s.resident_bytes = self._held["kept"] + self._held["writing"] + self._held["loaded"]
         s.peak_resident_bytes = max(s.peak_resident_bytes, s.resident_bytes)
@@ -150,6 +155,29 @@ class SchedulerState:
         if self.config.write_window_bytes is not None:
             return self.config.write_window_bytes
         return max(MIN_WRITE_WINDOW_BYTES, 2 * self._largest_unit_bytes)
+
+    def _read_ahead(self) -> int | None:
+        """Bytes backward reads ahead of the tensor it unpacks; ``None``: whole layers (the
+        policy's ``prefetch_units``, when it asks for layers: an adaptive plan, which simulates
+        its reads layer by layer).
+
+        Default: a sixteenth of the largest layer's offloaded bytes, at most
+        :data:`MAX_READ_AHEAD_BYTES`, and at least one tensor. Reads finer than a layer
+        hold, besides the tensors backward is using, only that much more: at backward's end,
+        where the gradients peak, a layer read ahead whole would sit on top of them.
+        """
+        if self.config.prefetch_bytes is not None:
+            return self.config.prefetch_bytes
+        if self.policy.prefetch_units is not None:
+            return None
+        return max(1, min(MAX_READ_AHEAD_BYTES, self._largest_unit_bytes // READ_AHEAD_DIVISOR))
+
+    def _reusable(self) -> int:
+        """Idle read buffers worth keeping for reuse: reading whole layers, no more than the
+        reads to come; reading by bytes, none. Each read's buffer then lives from its issue to
+        autograd's last use, and none sits beside the gradients where backward ends (the demo
+        model: 6 MiB less at that peak, step time unchanged)."""
+        return self._held["unread"] if self._read_ahead() is None else 0
 
     def _free_slot(self, entry: Entry) -> None:
         # Caller holds the lock. A slot of an older generation is the parent's: left alone.
@@ -188,8 +216,8 @@ class SchedulerState:
                 s = self._layer_stat(u.name)
                 s.forward_s += p.forward_s
                 s.backward_s += p.backward_s
-            unread = self._held["unread"]
-        self.engine.trim(unread)
+            reusable = self._reusable()
+        self.engine.trim(reusable)
         self.policy.observe(profile)
 
     # ------------------------------------------------------------------ readout
