@@ -26,7 +26,7 @@ from gds_offload.errors import ConfigError  # noqa: E402
 from gds_offload.weights import convert, load_streamed  # noqa: E402
 from gds_offload.weights.planning.options import KVPlacement  # noqa: E402
 from gds_offload.weights.planning.planner import TIE, Choice, Fit, Generate, Profile, check_feasible, choose, estimate  # noqa: E402
-from gds_offload.weights.planning.workload import profile_from  # noqa: E402
+from gds_offload.weights.planning.workload import profile_from, smallest_chunk  # noqa: E402
 from gds_offload.weights.run.measure import measure  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -432,3 +432,16 @@ def test_on_a_terminal_each_phase_is_a_bar_left_as_one_line() -> None:
     text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", screen.getvalue())
     assert "converting ckpt into store" in text and "512 KiB of 1 MiB (model.layers.0)" in text and "done converting ckpt into store" in text
     assert "measuring the model: prefill of 4 x 16 tokens" in text and text.count("done") >= 2, text
+
+
+def test_no_prefill_chunk_smaller_than_the_measured_one_is_chosen() -> None:
+    """A chunk on a cache priced cheaper per token than a whole prompt would make the smallest
+    chunk look fastest; but each chunk is a pass through every layer whose cost outside the
+    layers the profile does not see, so the planner searches only the chunk it measured
+    (a quarter of the prompt) and larger."""
+    p = _profile(prefill=Fit(0.0, 5e-3), prefill_chunked=Fit(0.0, 1e-3))
+    w = Generate(prompts=64, prompt_len=64, new_tokens=4)
+    assert smallest_chunk(64) == 16
+    plan = choose(p, w, 8 * GiB)
+    assert plan.choice.prefill_chunk == 16, plan.describe()
+    assert all((e.choice.prefill_chunk or 64) >= 16 for e, _ in plan.alternatives), plan.alternatives

@@ -18,7 +18,8 @@ overlaps a layer's reads with the previous layer's compute; ``slots = 1`` does n
 * compute ``C = n · t(b)``: the profile's per-layer forward time at ``b`` sequences (prefill:
   ``b · chunk`` tokens, a whole prompt's forward for the first chunk and a chunk's on a cache for
   the others; a decode step: ``b`` tokens at the mean context), interpolated between the sizes
-  measured (:class:`Fit`: a forward's cost per row changes with its size);
+  measured (:class:`Fit`: a forward's cost per row changes with its size); the chunks searched
+  are the profile's measured one and larger (:func:`~gds_offload.weights.planning.workload.smallest_chunk`);
 * drive ``D = (layer bytes + n · KV bytes read + n · KV bytes written) / read rate``;
 * the step takes ``max(C, D)`` per streamed layer (``C + D`` with one slot), ``C`` (+ KV traffic)
   per resident layer, plus ``n`` times the head.
@@ -48,7 +49,7 @@ from gds_offload.errors import ConfigError
 from gds_offload.units import format_bytes
 from gds_offload.weights.planning.cost import estimate, estimate_finetune, peak_finetune, peak_nbytes
 from gds_offload.weights.planning.options import KVPlacement
-from gds_offload.weights.planning.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from
+from gds_offload.weights.planning.workload import HEADROOM, Choice, Estimate, Finetune, Fit, Generate, Profile, Workload, profile_from, smallest_chunk
 from gds_offload.weights.store.manifest import read_manifest
 
 __all__ = ["Choice", "Estimate", "Finetune", "Fit", "Generate", "Plan", "Profile", "as_plan", "at_least", "check_feasible", "check_floor", "choose", "estimate", "least_peak", "variant"]
@@ -186,7 +187,8 @@ def _shapes(workload: Workload, *, kv: tuple[KVPlacement, ...], max_slots: int =
                 for n in sorted({2**i for i in range(14) if b * 2**i <= g} | {math.ceil(g / b)})
                 for slots in range(1, max_slots + 1) for off in (False, True)]  # fmt: skip
     sizes = sorted({2**i for i in range(0, 12) if 2**i <= workload.prompts} | {workload.prompts})
-    chunks = sorted({None, *(workload.prompt_len // 2**i for i in range(1, 8) if workload.prompt_len // 2**i >= 1)}, key=lambda x: x or 0)
+    least = smallest_chunk(workload.prompt_len)  # no chunk smaller than the profile measured
+    chunks = sorted({None, *(workload.prompt_len // 2**i for i in range(1, 8) if workload.prompt_len // 2**i >= least)}, key=lambda x: x or 0)
     out = []
     for b in sizes:
         loads = sorted({2**i for i in range(0, 14) if b * 2**i <= workload.prompts} | {math.ceil(workload.prompts / b)})

@@ -35,7 +35,7 @@ import torch
 
 from gds_offload.errors import ConfigError
 from gds_offload.weights.planning.planner import check_floor, least_peak
-from gds_offload.weights.planning.workload import HEADROOM, Finetune, Fit, Generate, Workload
+from gds_offload.weights.planning.workload import HEADROOM, Finetune, Fit, Generate, Workload, smallest_chunk
 from gds_offload.weights.run.generation import cache_argument
 from gds_offload.weights.run.model import load_streamed
 from gds_offload.weights.store.manifest import read_manifest
@@ -164,7 +164,7 @@ def profile_generate(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path,
     chunked = []
     chunked_peak = 0.0
     if prompt_len >= 2:  # a chunk after the first: positions on a cache of the prompt's earlier ones
-        chunk = max(prompt_len // 4, 1)
+        chunk = smallest_chunk(prompt_len)  # the smallest the planner chooses
         past = max((prompt_len - chunk) // 2, 1)  # a chunked prefill's mean cache
         sizes = sorted({min(s * prompt_len // chunk, cap) for s in (1, 4, 8)})  # up to half the largest whole prompts' tokens
         per_token = max(m / r for r, _, m in prefill)
