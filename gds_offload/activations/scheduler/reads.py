@@ -154,10 +154,13 @@ class ReadPath(SchedulerState):
                 if e.state is State.ON_DRIVE:
                     if held + e.nbytes > window and (held or not window):
                         return
-                    u.prefetched = True
                     self._issue_read(e)
-                elif e.state not in (State.READING, State.LOADED):
-                    continue  # in memory already, counted elsewhere (kept, writing)
+                elif e.state not in (State.READING, State.LOADED, State.WRITING):
+                    continue  # kept: in memory for good, not read
+                # A write still in flight holds its bytes (served from memory if backward comes
+                # first): they count against the window. The unit is never marked prefetched,
+                # so a write that lands drops its source (WritePath._backward_near) and is read
+                # back within the window: what is in memory ahead stays bounded by it.
                 held += e.nbytes
                 if held >= window:
                     return
