@@ -381,18 +381,22 @@ class _Deep(nn.Module):
         return x
 
 
-def test_prefetch_reads_ahead(tmp_path) -> None:
-    """With prefetch, backward finds most reads already issued (and many done): fewer stalls than
-    tensors read. Without prefetch every read would be issued at unpack time."""
+@pytest.mark.parametrize("prefetch_bytes", [None, 0])
+def test_prefetch_reads_ahead(tmp_path, prefetch_bytes) -> None:
+    """With a read-ahead, every read is requested before backward unpacks its tensor; with
+    ``prefetch_bytes=0`` backward requests each read itself. Counted by requests, not by how
+    soon they complete, so the outcome does not depend on the machine's speed; every write
+    lands before backward (``synchronize``), so every offloaded tensor is read from the drive."""
     torch.manual_seed(0)
     model, x = _Deep(), torch.randn(512, 384)
-    with offload_everything(model, tmp_path) as off:
+    kw = {} if prefetch_bytes is None else {"prefetch_bytes": prefetch_bytes}
+    with offload_everything(model, tmp_path, **kw) as off:
         for _ in range(3):
-            train_step(model, x)
+            train_step(model, x, sync=off.synchronize)
         st = settled(off)
         reads = off.engine.stats().reads
     assert reads > 0 and st.bytes_read > 0
-    assert st.stalls < reads, (st.stalls, reads)
+    assert st.reads_at_unpack == (0 if prefetch_bytes is None else reads), (st.reads_at_unpack, reads)
 
 
 def test_unknown_engine_refused() -> None:

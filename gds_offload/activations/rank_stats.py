@@ -7,7 +7,7 @@ same order relative to its other collectives, or the job hangs. It costs one
 
 How each field combines:
 
-* byte counters, ``stalls``, seconds (I/O busy and wait time), ``resident_bytes``,
+* byte counters, ``stalls``, ``reads_at_unpack``, seconds (I/O busy and wait time), ``resident_bytes``,
   ``spill_file_bytes``, ``write_window_bytes``: summed (totals over the job);
 * ``peak_*``: the largest of the ranks' peaks (each rank's peak is at its own moment,
   so this is the worst rank, not the peak of the sum);

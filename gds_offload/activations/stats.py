@@ -94,6 +94,9 @@ class OffloadStats:
     write_wait_s: float = 0.0
     #: Unpacks that had to wait for a read.
     stalls: int = 0
+    #: Reads backward issued itself when it unpacked a tensor that no read-ahead had
+    #: requested (every read with ``prefetch_bytes=0``; none when the read-ahead keeps up).
+    reads_at_unpack: int = 0
     spill_file_bytes: int = 0
     layers: list[LayerStats] = field(default_factory=list)
 

@@ -61,6 +61,7 @@ class ReadPath(SchedulerState):
                 )
             if entry.state is not State.READING:
                 self._issue_read(entry)
+                self._stats.reads_at_unpack += 1
             read, dst = entry.read, entry.data
         assert read is not None and dst is not None, "a read was issued for this entry"
         if not read.done():
