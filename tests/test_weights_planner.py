@@ -69,6 +69,43 @@ def test_a_chunked_prefill_prices_its_first_chunk_as_a_prompt_and_the_others_on_
     assert estimate(replace(p, prefill_chunked=None), w, chunked.choice, 64 * GiB).prefill_s == pytest.approx(whole.prefill_s)
 
 
+def test_each_prefill_chunk_ends_in_the_prefill_head_on_every_sequence() -> None:
+    """A prefill (or a chunk of one) hands the head the strided last position of its hidden state,
+    which a CPU computes one sequence at a time: each of the 4 chunks of 64 positions costs the
+    prefill head of its 32 sequences, the decode steps the decode head. Priced with the decode
+    head for every pass, a Granite shape's chunked plans ran at 0.78x their prediction; the
+    planner then takes the whole prompt, which pays that head once."""
+    p = _profile(layers=1, read_Bps=1e15, prefill_chunked=Fit(0.0, 1e-3), decode=Fit(0.0, 1e-4), head=Fit(0.0, 1e-4), prefill_head=Fit(0.0, 1e-2))
+    w = Generate(prompts=32, prompt_len=64, new_tokens=3)
+    chunked = estimate(p, w, Choice(32, 1, 1, 2, KVPlacement.DEVICE, prefill_chunk=16), 64 * GiB)
+    assert chunked.prefill_s == pytest.approx(32 * 64 * 1e-3 + 4 * 32 * 1e-2)
+    assert chunked.decode_s == pytest.approx(2 * (32 * 1e-4 + 32 * 1e-4))
+    whole = estimate(p, w, Choice(32, 1, 1, 2, KVPlacement.DEVICE), 64 * GiB)
+    assert whole.prefill_s == pytest.approx(32 * 64 * 1e-3 + 32 * 1e-2)
+    # An older profile without it prices the prefill's head as the decode step's.
+    assert estimate(replace(p, prefill_head=None), w, chunked.choice, 64 * GiB).prefill_s == pytest.approx(32 * 64 * 1e-3 + 4 * 32 * 1e-4)
+    assert choose(p, w, 64 * GiB).choice.prefill_chunk is None
+    assert profile_from(json.loads(json.dumps(asdict(p)))) == p
+
+
+def test_the_prefill_head_is_timed_on_a_strided_last_position() -> None:
+    """``time_head(positions=n)`` gives the head what a prefill's ``logits_to_keep=1`` gives it:
+    the last of ``n`` positions, a view with the longer hidden state's strides."""
+    from gds_offload.weights.run.profile import time_head
+
+    head = torch.nn.Linear(16, 50, bias=False)
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    head.register_forward_pre_hook(lambda m, args: seen.append((tuple(args[0].shape), args[0].stride())))
+    model = type("M", (), {"get_output_embeddings": lambda self: head})()
+    cfg = type("C", (), {"get_text_config": lambda self, decoder: type("T", (), {"hidden_size": 16})()})()
+    out = time_head(model, cfg, torch.float32, torch.device("cpu"), sizes=[2, 4], positions=8)
+    assert [r for r, _ in out] == [2.0, 4.0] and all(t > 0 for _, t in out)
+    assert set(seen) == {((2, 1, 16), (128, 16, 1)), ((4, 1, 16), (128, 16, 1))}, seen
+    seen.clear()
+    time_head(model, cfg, torch.float32, torch.device("cpu"), sizes=[2])
+    assert seen[0] == ((2, 1, 16), (16, 16, 1)), seen
+
+
 def test_the_choice_is_the_fastest_that_fits_and_says_why_the_others_lost() -> None:
     p = _profile()
     plan = choose(p, W, 2 * GiB)

@@ -28,6 +28,7 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
     write_Bps = p.write_Bps or p.read_Bps
     drive_kv = c.kv is KVPlacement.DRIVE
     chunk = min(c.prefill_chunk or w.prompt_len, w.prompt_len)
+    prefill_head = p.prefill_head or p.head  # each chunk ends in the head, on a strided last position
     acc = _Cost()
     full, last = divmod(w.prompts, c.in_flight)
     for seqs, times in ((c.in_flight, full), (last, 1)):
@@ -42,7 +43,7 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
             kv_r = seqs * done * p.kv_record_nbytes if drive_kv else 0
             kv_w = seqs * step * p.kv_record_nbytes if drive_kv else 0
             fit = p.prefill if done == 0 or p.prefill_chunked is None else p.prefill_chunked  # the first chunk has no cache
-            wave.step(p, streamed, c, compute=n * fit(b * step), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
+            wave.step(p, streamed, c, compute=n * fit(b * step), head=n * prefill_head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
             done += step
         for step in range(1, w.new_tokens):
             ctx = w.prompt_len + step

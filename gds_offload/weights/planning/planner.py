@@ -22,7 +22,10 @@ overlaps a layer's reads with the previous layer's compute; ``slots = 1`` does n
   are the profile's measured one and larger (:func:`~gds_offload.weights.planning.workload.smallest_chunk`);
 * drive ``D = (layer bytes + n · KV bytes read + n · KV bytes written) / read rate``;
 * the step takes ``max(C, D)`` per streamed layer (``C + D`` with one slot), ``C`` (+ KV traffic)
-  per resident layer, plus ``n`` times the head.
+  per resident layer, plus ``n`` times the head: timed as a decode step feeds it, and, at the end
+  of each prefill chunk, on the strided last position a prefill feeds it (on the CPU one product
+  per sequence: each chunk costs its sequences' heads again, which a large vocabulary makes the
+  larger part of a chunk's time).
 
 The memory model (peak, on the model's device; on the CPU, the process's anonymous memory, which
 a memory limit cannot reclaim): the measured base (process, resident group), the resident layers,

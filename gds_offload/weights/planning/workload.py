@@ -124,7 +124,7 @@ class Profile:
     base_nbytes: int  #: memory of the process with the resident group loaded, before any forward (ring excluded; on the CPU, anonymous memory: file pages are reclaimable)
     prefill: Fit  #: one layer's prefill time against tokens
     decode: Fit  #: one layer's decode-step time against sequences (at the workload's mean context)
-    head: Fit  #: the head's time against sequences (one position each)
+    head: Fit  #: the head's time against sequences (one position each), as a decode step runs it
     prefill_transient_nbytes: float  #: one micro-batch's peak inside a layer, per prefill token
     decode_transient_nbytes: float  #: the same per decode sequence, at the last step's context (the longest)
     write_Bps: float = 0.0  #: the drive's write rate (0: same as read_Bps)
@@ -138,6 +138,10 @@ class Profile:
     #: What each micro-batch of a layer-major team keeps beyond its tensors while it waits at a
     #: hand-over (per-thread caches of the math libraries), measured with four threads alive.
     member_nbytes: int = 0
+    #: The head's time against sequences at the end of a prefill or a chunk of one: its input is the
+    #: last position of a longer hidden state, a strided view, which a CPU's linear layer computes one
+    #: sequence at a time (several times :attr:`head` on a large vocabulary). ``None``: :attr:`head`.
+    prefill_head: Fit | None = None
     #: Fine-tuning (measured with LoRA adapters): one layer's forward with grad and its backward, against tokens.
     train_forward: Fit = Fit(0.0, 0.0)
     train_backward: Fit = Fit(0.0, 0.0)
@@ -153,7 +157,9 @@ class Profile:
         """This profile with every compute time multiplied by ``compute`` (a busier or idler machine)."""
 
         chunked = self.prefill_chunked.scaled(compute) if self.prefill_chunked is not None else None
+        prefill_head = self.prefill_head.scaled(compute) if self.prefill_head is not None else None
         return replace(self, prefill=self.prefill.scaled(compute), prefill_chunked=chunked, decode=self.decode.scaled(compute), head=self.head.scaled(compute),
+                       prefill_head=prefill_head,
                        train_forward=self.train_forward.scaled(compute), train_backward=self.train_backward.scaled(compute))  # fmt: skip
 
 
@@ -200,13 +206,9 @@ class Estimate:
 
 def smallest_chunk(prompt_len: int) -> int:
     """The prefill chunk the profile times a chunk on a cache at (:attr:`Profile.prefill_chunked`),
-    and the smallest the planner chooses.
-
-    Each chunk is one more forward through every layer, and a pass costs time outside the layers'
-    own forward that the two-layer timing does not see: on a Qwen2 shape (16 layers, 128 prompts of
-    32 tokens, 2 x 64 per load), chunks of 16 and whole prompts ran within 5% of their prediction,
-    chunks of 4 about 0.45 s a pass slower, 1.4x below the predicted tokens/s. The planner chooses
-    no chunk it did not measure; a smaller one only saves the activations of fewer positions.
+    and the smallest the planner chooses: it chooses no chunk it did not measure, and a smaller one
+    only saves the activations of fewer positions while each chunk is one more pass through every
+    layer and one more head on every sequence (:attr:`Profile.prefill_head`).
     """
     return max(prompt_len // 4, 1)
 
@@ -214,7 +216,7 @@ def smallest_chunk(prompt_len: int) -> int:
 def profile_from(d: dict[str, Any]) -> Profile:
     """A :class:`Profile` from its JSON form (``asdict``)."""
     fields: dict[str, Any] = dict(d)
-    for k in ("prefill", "prefill_chunked", "decode", "head", "train_forward", "train_backward"):
+    for k in ("prefill", "prefill_chunked", "decode", "head", "prefill_head", "train_forward", "train_backward"):
         if fields.get(k) is not None:
             fields[k] = Fit(**fields[k])
     return Profile(**fields)
