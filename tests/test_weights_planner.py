@@ -88,6 +88,24 @@ def test_each_prefill_chunk_ends_in_the_prefill_head_on_every_sequence() -> None
     assert profile_from(json.loads(json.dumps(asdict(p)))) == p
 
 
+def test_a_cache_on_the_drive_adds_its_measured_cost_to_each_micro_batchs_layer() -> None:
+    """Moving a layer's cache to and from the drive costs the layer's forward time, not only the
+    drive's bandwidth (which compute hides): the profile's ``kv_drive`` seconds per byte moved,
+    for each micro-batch at each layer and step, and nothing with the caches in memory."""
+    p = _profile(layers=1, read_Bps=1e15, prefill=Fit(0.0, 0.0), decode=Fit(0.0, 0.0), head=Fit(0.0, 0.0), kv_drive=Fit(0.0, 1e-6))
+    w = Generate(prompts=8, prompt_len=4, new_tokens=3)
+    c = Choice(4, 2, 1, 2, KVPlacement.DRIVE)
+    e = estimate(p, w, c, 64 * GiB)
+    rec = p.kv_record_nbytes
+    # Prefill: each micro-batch of 4 writes 4 positions. Decode steps 1 and 2: each reads 5 and 6
+    # positions back and writes one.
+    assert e.prefill_s == pytest.approx(2 * 4 * 4 * rec * 1e-6)
+    assert e.decode_s == pytest.approx(2 * 4 * (5 + 1) * rec * 1e-6 + 2 * 4 * (6 + 1) * rec * 1e-6)
+    memory = estimate(p, w, replace(c, kv=KVPlacement.DEVICE), 64 * GiB)
+    assert memory.prefill_s == 0 and memory.decode_s == 0
+    assert estimate(replace(p, kv_drive=None), w, c, 64 * GiB).decode_s == pytest.approx(0, abs=1e-9)
+
+
 def test_the_prefill_head_is_timed_on_a_strided_last_position() -> None:
     """``time_head(positions=n)`` gives the head what a prefill's ``logits_to_keep=1`` gives it:
     the last of ``n`` positions, a view with the longer hidden state's strides."""
@@ -223,6 +241,14 @@ def test_the_measured_profile_is_the_models_and_a_plan_from_it_runs(store: Path,
     assert p.read_Bps > 0 and p.base_nbytes > 0 and p.prefill.per_row >= 0 and p.decode(8) > 0
     assert len(p.prefill.knots) == 3, "prefill timed at 1, 4 and 12 prompts"
     assert p.prefill_chunked is not None and p.prefill_chunked(16) > 0, "a chunk on a cache timed apart"
+    # The read rate is the three layers' read, not a forward's time that reused its variable
+    # (it was the bytes of that read over the largest prefill's seconds).
+    read_nbytes, read_s = p.measured["read"]
+    assert read_nbytes == 3 * p.layer_nbytes and p.read_Bps == read_nbytes / read_s
+    assert read_s not in {s for _, s, _ in p.measured["prefill"]}, p.measured
+    # The head at the end of a prefill, and a decode step with its cache on the drive, timed apart.
+    assert p.prefill_head is not None and p.prefill_head(8) > 0
+    assert p.kv_drive is not None and len(p.measured["kv_drive"]) == 2 and all(b > 0 and s >= 0 for b, s in p.measured["kv_drive"])
     plan = choose(p, w, 8 * GiB)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(store)).eval()

@@ -29,6 +29,11 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
     drive_kv = c.kv is KVPlacement.DRIVE
     chunk = min(c.prefill_chunk or w.prompt_len, w.prompt_len)
     prefill_head = p.prefill_head or p.head  # each chunk ends in the head, on a strided last position
+
+    def kv_cost(n: int, kv_r: float, kv_w: float) -> float:
+        """What ``n`` micro-batches' caches on the drive add to a layer's compute (measured, not hidden)."""
+        return n * p.kv_drive((kv_r + kv_w) / n) if drive_kv and p.kv_drive is not None else 0.0
+
     acc = _Cost()
     full, last = divmod(w.prompts, c.in_flight)
     for seqs, times in ((c.in_flight, full), (last, 1)):
@@ -43,13 +48,13 @@ def estimate(profile: Profile, workload: Generate, choice: Choice, memory_nbytes
             kv_r = seqs * done * p.kv_record_nbytes if drive_kv else 0
             kv_w = seqs * step * p.kv_record_nbytes if drive_kv else 0
             fit = p.prefill if done == 0 or p.prefill_chunked is None else p.prefill_chunked  # the first chunk has no cache
-            wave.step(p, streamed, c, compute=n * fit(b * step), head=n * prefill_head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
+            wave.step(p, streamed, c, compute=n * fit(b * step) + kv_cost(n, kv_r, kv_w), head=n * prefill_head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="prefill")
             done += step
         for step in range(1, w.new_tokens):
             ctx = w.prompt_len + step
             kv_r = seqs * ctx * p.kv_record_nbytes if drive_kv else 0
             kv_w = seqs * p.kv_record_nbytes if drive_kv else 0
-            wave.step(p, streamed, c, compute=n * p.decode(b), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="decode")
+            wave.step(p, streamed, c, compute=n * p.decode(b) + kv_cost(n, kv_r, kv_w), head=n * p.head(b), kv_r=kv_r, kv_w=kv_w, write_Bps=write_Bps, phase="decode")
         acc.add(wave, times)
     peak = peak_nbytes(p, w, c)
     bound: Bound = "compute" if acc.compute >= acc.drive else "drive"

@@ -20,6 +20,8 @@ overlaps a layer's reads with the previous layer's compute; ``slots = 1`` does n
   the others; a decode step: ``b`` tokens at the mean context), interpolated between the sizes
   measured (:class:`Fit`: a forward's cost per row changes with its size); the chunks searched
   are the profile's measured one and larger (:func:`~gds_offload.weights.planning.workload.smallest_chunk`);
+  with the caches on the drive, plus what moving them adds to each micro-batch's forward, measured
+  against the bytes moved (:attr:`~gds_offload.weights.planning.workload.Profile.kv_drive`);
 * drive ``D = (layer bytes + n · KV bytes read + n · KV bytes written) / read rate``;
 * the step takes ``max(C, D)`` per streamed layer (``C + D`` with one slot), ``C`` (+ KV traffic)
   per resident layer, plus ``n`` times the head: timed as a decode step feeds it, and, at the end

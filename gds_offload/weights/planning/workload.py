@@ -142,6 +142,10 @@ class Profile:
     #: last position of a longer hidden state, a strided view, which a CPU's linear layer computes one
     #: sequence at a time (several times :attr:`head` on a large vocabulary). ``None``: :attr:`head`.
     prefill_head: Fit | None = None
+    #: Seconds a layer's forward of one micro-batch takes beyond its compute when its KV cache is on
+    #: the drive, against the bytes of keys and values it moves (past read, new positions written):
+    #: buffers, packing, the engine's threads beside the compute. ``None``: bandwidth alone, hidden.
+    kv_drive: Fit | None = None
     #: Fine-tuning (measured with LoRA adapters): one layer's forward with grad and its backward, against tokens.
     train_forward: Fit = Fit(0.0, 0.0)
     train_backward: Fit = Fit(0.0, 0.0)
@@ -158,8 +162,9 @@ class Profile:
 
         chunked = self.prefill_chunked.scaled(compute) if self.prefill_chunked is not None else None
         prefill_head = self.prefill_head.scaled(compute) if self.prefill_head is not None else None
+        kv_drive = self.kv_drive.scaled(compute) if self.kv_drive is not None else None
         return replace(self, prefill=self.prefill.scaled(compute), prefill_chunked=chunked, decode=self.decode.scaled(compute), head=self.head.scaled(compute),
-                       prefill_head=prefill_head,
+                       prefill_head=prefill_head, kv_drive=kv_drive,
                        train_forward=self.train_forward.scaled(compute), train_backward=self.train_backward.scaled(compute))  # fmt: skip
 
 
@@ -216,7 +221,7 @@ def smallest_chunk(prompt_len: int) -> int:
 def profile_from(d: dict[str, Any]) -> Profile:
     """A :class:`Profile` from its JSON form (``asdict``)."""
     fields: dict[str, Any] = dict(d)
-    for k in ("prefill", "prefill_chunked", "decode", "head", "prefill_head", "train_forward", "train_backward"):
+    for k in ("prefill", "prefill_chunked", "decode", "head", "prefill_head", "kv_drive", "train_forward", "train_backward"):
         if fields.get(k) is not None:
             fields[k] = Fit(**fields[k])
     return Profile(**fields)

@@ -8,7 +8,8 @@ runs (here, or in its child). Generation here; fine-tuning in :mod:`gds_offload.
   the median of three runs, and the head's: a forward that stops after the first two streamed
   layers (the others are not computed), timed per layer by the streamed model's own counters
   (``stats().compute_s``), reads in flight as in a real run; the head on a decode step's input and
-  on a prefill's (the last position of a longer hidden state, :func:`time_head`);
+  on a prefill's (the last position of a longer hidden state, :func:`time_head`); what a decode
+  step's cache on the drive adds to a layer (:mod:`~gds_offload.weights.run.profile_kv`);
 * memory: the process's resident set after loading (the base), and its peak (``VmHWM``, reset
   before each forward) above that during each one, per token (prefill) or sequence (decode).
 
@@ -39,6 +40,7 @@ from gds_offload.weights.planning.planner import check_floor, least_peak
 from gds_offload.weights.planning.workload import HEADROOM, Finetune, Fit, Generate, Workload, smallest_chunk
 from gds_offload.weights.run.generation import cache_argument
 from gds_offload.weights.run.model import load_streamed
+from gds_offload.weights.run.profile_kv import time_kv_on_drive
 from gds_offload.weights.store.manifest import read_manifest
 
 __all__ = ["LOAD_NBYTES", "SETTLED", "StopWith", "check_floor_loaded", "loaded", "medians", "profile_generate", "rss", "settled", "stop_with", "time_head", "trust"]
@@ -95,7 +97,7 @@ def profile_generate(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path,
     (:func:`~gds_offload.weights.planning.workload.profile_from`); ``say`` reports progress; the
     streamed model is closed when ``stack`` closes (also after an exception)."""
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
-    lm, stats, reset, peak, base, (nbytes, seconds) = loaded(skeleton, store, device, spec["engine"], "loading the resident group", say, stack,
+    lm, stats, reset, peak, base, (read_nbytes, read_s) = loaded(skeleton, store, device, spec["engine"], "loading the resident group", say, stack,
                                                               functools.partial(check_floor_loaded, spec, cfg))  # fmt: skip
     model = lm.model
     layers = lm.layer_modules()
@@ -103,17 +105,21 @@ def profile_generate(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path,
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     vocab = cfg.get_text_config(decoder=True).vocab_size
 
-    def two_layers(call: Callable[[], Any]) -> tuple[float, int]:
+    def layer_times(call: Callable[[], Any]) -> list[float]:
+        """Each streamed layer's compute seconds in ``call`` (a forward the stop ends after two)."""
         before = lm.stats().compute_s
-        base_now = peak() if device.type == "cuda" else rss("VmRSS")
-        reset()
         try:
             with torch.no_grad():
                 call()
         except _Stop:
             pass
-        after = lm.stats().compute_s
-        return (after[0] - before[0] + after[1] - before[1]) / 2, max(peak() - base_now, 0)
+        return [a - b for a, b in zip(lm.stats().compute_s, before)]
+
+    def two_layers(call: Callable[[], Any]) -> tuple[float, int]:
+        base_now = peak() if device.type == "cuda" else rss("VmRSS")
+        reset()
+        times = layer_times(call)
+        return (times[0] + times[1]) / 2, max(peak() - base_now, 0)
 
     prefill: list[tuple[int, float, int]] = []
     decode: list[tuple[int, float, int]] = []
@@ -191,6 +197,10 @@ def profile_generate(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path,
     per_seq = max(m / r for r, _, m in decode) + vocab * 4
     member_b = max([b for b, _, _ in decode if fits(b, per_seq, b, ctx)] or [decode[0][0]])
     member = _member_overhead(model, cfg, dtype, device, member_b, ctx, vocab, reset, peak)
+    say("decode steps with the KV cache on the drive")
+    kv_drive = time_kv_on_drive(lm, cfg, dtype, sizes=[b for b, _, _ in decode][:2], ctx=ctx, vocab=vocab, layer_times=layer_times,
+                                random_cache=lambda b, n: _random_cache(cfg, b, n, dtype, device),
+                                settle=lambda run, what: settled(run, what, unsettled), max_runs=_MAX_RUNS)  # fmt: skip
     stop.remove()
     head_sizes = sorted({min(8, cap), *([min(64, cap)] if fits(64, vocab * 4, min(64, cap)) else [])})
     head = time_head(model, cfg, dtype, device, sizes=head_sizes)
@@ -205,18 +215,19 @@ def profile_generate(spec: dict[str, Any], skeleton: Any, cfg: Any, store: Path,
         "kv_nbytes": kv,
         "kv_record_nbytes": kv,
         "logits_nbytes": vocab * 4,
-        "read_Bps": nbytes / seconds,
+        "read_Bps": read_nbytes / read_s,
         "base_nbytes": base,
         "prefill": vars(Fit.through([(r, s) for r, s, _ in prefill])),
         "prefill_chunked": vars(Fit.through(chunked)) if chunked else None,
         "decode": vars(Fit.through([(r, s) for r, s, _ in decode])),
         "head": vars(Fit.through(head)),
         "prefill_head": vars(Fit.through(prefill_head)),
+        "kv_drive": vars(Fit.through(kv_drive)) if kv_drive else None,
         "prefill_transient_nbytes": max(m / r for r, _, m in prefill),
         "prefill_chunked_transient_nbytes": chunked_peak,
         "member_nbytes": member,
         "decode_transient_nbytes": max(max(m / r for r, _, m in decode), decode_peak),
-        "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "prefill_head": prefill_head, "read": [nbytes, seconds],
+        "measured": {"prefill": prefill, "prefill_chunked": chunked, "decode": decode, "head": head, "prefill_head": prefill_head, "kv_drive": kv_drive, "read": [read_nbytes, read_s],
                      "unsettled": unsettled, "load": [load_before, _load(), os.cpu_count() or 1]},
     }
 
