@@ -46,6 +46,7 @@ either in line with its read, or freed after it finished.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -55,6 +56,7 @@ from gds_offload.weights.streaming.ring import Fill, Ring
 if TYPE_CHECKING:
     import torch
 
+    from gds_offload.io.base import IOFuture
     from gds_offload.weights.store.manifest import GroupEntry
     from gds_offload.weights.streaming.stats import StreamStats
 
@@ -69,6 +71,7 @@ class Prefetch:
     def __init__(self, ring: Ring, groups: list[GroupEntry], stats: StreamStats, *,
                  on_renew: Callable[[int], None] | None = None) -> None:  # fmt: skip
         self._ring, self._groups, self._stats, self._on_renew = ring, groups, stats, on_renew
+        self._read_clock = _ReadClock(stats)
         #: Fills in the order their layers are expected: reads in flight (or done) and held slots.
         self._inflight: collections.deque[Fill] = collections.deque()
         self._free = list(range(len(ring.buffers)))[::-1]
@@ -264,6 +267,8 @@ class Prefetch:
         self._holds[slot] = None  # being written
         self._stats.reads[pos] += 1
         self._stats.bytes_read += g.nbytes
+        if fill.future is not None:
+            self._read_clock.issued(fill.future)
         return fill
 
     def _renew(self, slot: int) -> None:
@@ -278,3 +283,25 @@ class Prefetch:
         self._inflight = collections.deque(sorted(self._inflight, key=lambda f: f.pos * self._direction))
         ends = [f.pos for f in self._inflight]
         self._next = max(ends) + 1 if self._direction > 0 else min(ends) - 1
+
+
+class _ReadClock:
+    """The wall time with at least one fill's read in flight, added to ``stats.read_s`` (reads that
+    overlap count once). Issued on the model's thread, landed on the engine's threads."""
+
+    def __init__(self, stats: StreamStats) -> None:
+        self._stats, self._lock = stats, threading.Lock()
+        self._inflight, self._since = 0, 0.0
+
+    def issued(self, future: IOFuture) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+        future.add_done_callback(self._landed)
+
+    def _landed(self, _future: IOFuture) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._stats.read_s += time.perf_counter() - self._since

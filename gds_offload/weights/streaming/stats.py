@@ -35,6 +35,9 @@ class StreamStats:
     reads: list[int] = field(default_factory=list)
     #: Bytes of layers filled into slots (read from the store, or copied from the host tier).
     bytes_read: int = 0
+    #: Wall time with at least one of those fills' reads in flight: ``bytes_read / read_s`` is the
+    #: drive's rate as a run sees it, beside the compute (fills from the host tier are not counted).
+    read_s: float = 0.0
     #: Layer calls that were not the predicted next layer (their fill was not ready).
     misses: int = 0
     #: Prefetched reads dropped by a miss.
