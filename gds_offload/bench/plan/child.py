@@ -142,6 +142,7 @@ class AnonPeak:
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s, self.peak = interval_s, 0
         self._done = threading.Event()
+        self._lock = threading.Lock()  # split() resets the peak the sampler raises
         self._thread = threading.Thread(target=self._run, name="anon-peak", daemon=True)
 
     @staticmethod
@@ -154,12 +155,21 @@ class AnonPeak:
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
-            self.peak = max(self.peak, self.now())
+            held = self.now()
+            with self._lock:
+                self.peak = max(self.peak, held)
 
     def start(self) -> AnonPeak:
         self.peak = self.now()
         self._thread.start()
         return self
+
+    def split(self) -> int:
+        """The peak so far; from now the peak counts afresh (a phase's own peak)."""
+        held = self.now()
+        with self._lock:
+            peak, self.peak = max(self.peak, held), held
+        return peak
 
     def stop(self) -> int:
         self._done.set()
@@ -221,6 +231,7 @@ def run(spec: PlanChildSpec) -> dict[str, Any]:
         assert lm is not None
         model = lm.model
     result["load_s"] = time.perf_counter() - t_load
+    result["load_peak_anon_bytes"] = anon.split()  # converting, measuring and loading; the run's peak is peak_anon_bytes
     if spec.mode == "reference":
         ref_out: list[Any] = []
         with torch.no_grad():

@@ -115,8 +115,10 @@ def peak_nbytes(p: Profile, w: Generate, c: Choice) -> int:
     # top-k, ...); the member computing its head holds its logits as the model returns them too,
     # and a processor's input beside its output (min_new_tokens clones the scores, then masks them
     # into a new tensor: four vocabulary-sized rows a sequence at that moment).
-    members = math.ceil(seqs / b)  # threads alive at once, each with its libraries' caches
-    return int(weights + max(prefill, decode) + (2 * seqs + 2 * b) * p.logits_nbytes + (members - 1) * p.member_nbytes)
+    # Every member runs on a thread of its own (a team of one too: Team starts a thread per call),
+    # each keeping its libraries' caches; the thread that measured the base holds its own already.
+    members = math.ceil(seqs / b)
+    return int(weights + max(prefill, decode) + (2 * seqs + 2 * b) * p.logits_nbytes + members * p.member_nbytes)
 
 
 def _kv_nbytes(p: Profile, c: Choice, seqs: int, positions: int, new: int) -> int:

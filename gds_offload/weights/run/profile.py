@@ -313,7 +313,7 @@ def _load() -> float:
 
 def _member_overhead(model: Any, cfg: Any, dtype: torch.dtype, device: torch.device, b: int, ctx: int, vocab: int,
                      reset: Callable[[], None], peak: Callable[[], int]) -> int:  # fmt: skip
-    """What each further micro-batch of a layer-major team keeps while it waits at a hand-over,
+    """What each micro-batch of a layer-major team (a thread of its own) keeps while it waits at a hand-over,
     beyond its tensors: per-thread caches of the math libraries (MKL's fast memory manager keeps
     about 10 MiB of packing buffers per thread that ran a GEMM, until the thread ends). Measured
     as a team holds them: ``k`` threads alive at once, each having run a decode step of two
