@@ -37,9 +37,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from gds_offload.errors import ConfigError, OffloadError, SpillSpaceError
 from gds_offload.io.base import Engine, IOFuture
 from gds_offload.io.layout import Slot, align_up
-from gds_offload.io.pages import HostBufferPool
 from gds_offload.io.spill import SpillStore, free_bytes
 from gds_offload.runtime.interrupts import wait_done
+from gds_offload.weights.store.files import aligned_host_buffer
 
 __all__ = ["KVShape", "KVPool", "PlacedCache", "PlacedLayer", "kv_shape"]
 
@@ -135,15 +135,6 @@ class KVPool:
             self._store.close()
             raise
         self._lengths = dict.fromkeys(self._regions, 0)
-        # Host buffers come back to this pool when the last view of them dies (the keys and values
-        # of a past() once update() has concatenated them; a write's once it is reaped), and are
-        # handed out again: a fresh mapping for every read and write cost page faults (huge pages
-        # zeroed) on the cores the layer computes on. Reads take one length, a whole region's, so
-        # every read reuses; a buffer's pages are touched only as far as the positions read. Writes
-        # keep a few decode steps' records idle (a prefill chunk's buffers are let go once written).
-        self._read_nbytes = align_up(max(s.max_positions * s.record_nbytes for s in shapes))
-        self._read_buffers = HostBufferPool(2 * self._read_nbytes)
-        self._write_buffers = HostBufferPool(2 * len(shapes) * max(s.record_nbytes for s in shapes))
         # Writes in the order issued, each with the buffer it reads from (live until the write is done).
         # Finished ones are dropped at every append, whichever region they wrote: kept until their
         # own region's next touch, a full pass later, a prefill's writes of every micro-batch and
@@ -155,11 +146,6 @@ class KVPool:
         #: Bytes read from and written to the drive.
         self.bytes_read = 0
         self.bytes_written = 0
-
-    @property
-    def buffers_mapped(self) -> int:
-        """Host buffers mapped so far (each read and write takes one from those that came back first)."""
-        return self._read_buffers.mapped + self._write_buffers.mapped
 
     @property
     def file_nbytes(self) -> int:
@@ -201,7 +187,7 @@ class KVPool:
                 f"raise max_new_tokens' planned length"
             )
         self._reap_writes()
-        buf = self._write_buffers.take(align_up(new * s.record_nbytes))
+        buf = aligned_host_buffer(new * s.record_nbytes)
         rec = buf[: new * s.record_nbytes].view(new, s.record_nbytes)[:, : s.position_nbytes].view(s.dtype)
         rec = rec.view(new, 2, s.batch, s.kv_heads, s.head_dim)
         rec[:, 0].copy_(keys.permute(2, 0, 1, 3))
@@ -245,15 +231,13 @@ class KVPool:
             future.error()
         self._writes.clear()
         self._store.close()
-        self._read_buffers.clear()
-        self._write_buffers.clear()
 
     # -- internals ----------------------------------------------------------------------------
     def _read(self, key: tuple[int, int], positions: int) -> tuple[IOFuture, torch.Tensor]:
         self._wait_writes(key)
         s = self.shapes[key[0]]
         nbytes = positions * s.record_nbytes
-        buf = self._read_buffers.take(self._read_nbytes) if self.device.type == "cpu" else _device_buffer(nbytes, self.device)
+        buf = aligned_host_buffer(nbytes) if self.device.type == "cpu" else _device_buffer(nbytes, self.device)
         region = self._regions[key]
         self.bytes_read += nbytes
         return self.engine.read(buf[:nbytes], Slot(region.file, region.offset, nbytes)), buf

@@ -5,9 +5,9 @@ With ``kv="drive"`` each layer's attention reads its past back from the drive (:
 read ahead while the layer before computes), concatenates the new positions onto it and writes
 them out. Priced as drive bandwidth alone, hidden behind compute, this came to nothing; measured
 on a 40-layer Granite shape, decode steps on the drive took 1.5x their in-memory time per layer
-(then a new buffer for every read and write; still the records unpacked and packed, and the
-engine's threads beside the compute on two cores), and a plan on the drive ran at 0.82x its
-prediction where the same plan with its caches in memory ran within 3%.
+(buffers allocated per read and write, the records unpacked and packed, the engine's threads
+beside the compute on two cores), and a plan on the drive ran at 0.82x its prediction where the
+same plan with its caches in memory ran within 3%.
 
 So the profile times it: for a few micro-batch sizes, one decode step of the second streamed layer
 (its past read while the first computes, as in a run) on a cache in a real :class:`KVPool`, and the
